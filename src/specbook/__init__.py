@@ -1,0 +1,3 @@
+"""specbook: speculative decoding from the roofline to confidence-scheduled verification."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,203 @@
+"""Autoregressive decoding with a KV cache: the baseline every speculative method is measured against.
+
+    prefill:  one forward over the (left-padded) prompts, cache filled, logits of the last position
+    decode:   one forward per new token over [B, 1] with the cache, sample, append, stop on EOS
+
+The speculative loop (``speculative_generate``) lives here too once drafters land; both share
+``encode`` / ``prefill`` and the stats dataclass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingConfig, probs_from, sample
+
+
+@dataclass
+class DecodeStats:
+    """What one generate call did. Times are wall-clock seconds."""
+
+    prefill_time: float = 0.0
+    step_times: list[float] = field(default_factory=list)  # one per decode forward
+    target_forwards: int = 0  # prefill included
+    new_tokens: int = 0  # emitted tokens summed over rows (EOS included, padding excluded)
+    rows: int = 1
+
+    @property
+    def decode_time(self) -> float:
+        return float(sum(self.step_times))
+
+    @property
+    def total_time(self) -> float:
+        return self.prefill_time + self.decode_time
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per target forward per row, the prefill (which emits the first token)
+        included: exactly 1.0 for plain decoding at batch 1."""
+        return self.new_tokens / max(self.target_forwards * self.rows, 1)
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]  # new tokens per row (stops after EOS, EOS kept)
+    stats: DecodeStats
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def encode(tokenizer, prompts: list[str] | str, *, chat: bool = True, max_new_tokens: int = 0,
+           max_length: int | None = None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Texts -> left-padded ``input_ids [B, L]`` and ``attention_mask [B, L]``.
+
+    chat=True applies the tokenizer's chat template (a user turn + generation prompt) when it
+    has one. A prompt that does not fit ``max_length`` (default: the model's context) together
+    with ``max_new_tokens`` is an error, never silently truncated.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("encode() got no prompts")
+    ids = []
+    for p in prompts:
+        if chat and getattr(tokenizer, "chat_template", None):
+            t = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
+            if isinstance(t, dict) or hasattr(t, "keys"):
+                t = t["input_ids"]
+        else:
+            t = tokenizer(p, add_special_tokens=True)["input_ids"]
+        ids.append(list(t))
+    return pad_left(ids, tokenizer.pad_token_id, max_new_tokens=max_new_tokens, max_length=max_length,
+                    device=device)
+
+
+def pad_left(ids: list[list[int]], pad_id: int, *, max_new_tokens: int = 0, max_length: int | None = None,
+             device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> left-padded ``input_ids [B, L]``, ``attention_mask [B, L]``."""
+    L = max(len(t) for t in ids)
+    if max_length is not None:
+        for i, t in enumerate(ids):
+            if len(t) + max_new_tokens > max_length:
+                raise ValueError(
+                    f"prompt {i} has {len(t)} tokens; with max_new_tokens={max_new_tokens} it exceeds the "
+                    f"context of {max_length}. Shorten the prompt or lower max_new_tokens (nothing is truncated)."
+                )
+    input_ids = torch.full((len(ids), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), L), dtype=torch.long)
+    for i, t in enumerate(ids):
+        if len(t) == 0:
+            raise ValueError(f"prompt {i} is empty after tokenisation")
+        input_ids[i, L - len(t):] = torch.tensor(t)
+        mask[i, L - len(t):] = 1
+    return input_ids.to(device), mask.to(device)
+
+
+def context_length(model) -> int:
+    return int(getattr(model.config, "max_position_embeddings", 1 << 30))
+
+
+def check_fits(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    ctx = context_length(model)
+    if input_ids.shape[1] + max_new_tokens > ctx:
+        raise ValueError(
+            f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the model context "
+            f"{ctx}; shorten the prompt or lower max_new_tokens (nothing is truncated)."
+        )
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+@torch.inference_mode()
+def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache):
+    """One forward over the prompts. Returns last-position logits [B, V] and position ids [B, L]."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # left padding: real tokens start at 0
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :], position_ids
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int = 64,
+    sampling: SamplingConfig = SamplingConfig(),
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+) -> GenerateResult:
+    """Plain autoregressive decoding. input_ids [B, L] (left-padded), attention_mask [B, L].
+
+    Greedy when ``sampling.temperature == 0``; otherwise samples through ``generator``
+    (required, so every random number comes from an explicit source).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not sampling.greedy and generator is None:
+        raise ValueError("sampling with temperature > 0 needs an explicit torch.Generator (generator=...)")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    check_fits(model, input_ids, max_new_tokens)
+    if eos_token_id is None:
+        eos_token_id = model.config.eos_token_id
+    if isinstance(eos_token_id, (list, tuple)):
+        eos_token_id = eos_token_id[0]
+    dev = input_ids.device
+    B = input_ids.shape[0]
+    stats = DecodeStats(rows=B)
+    cache = new_cache(model)
+
+    # 1. prefill
+    _sync(dev)
+    t0 = time.perf_counter()
+    logits, pos = prefill(model, input_ids, attention_mask, cache)
+    next_tok = sample(probs_from(logits, sampling), generator)  # [B]
+    _sync(dev)
+    stats.prefill_time = time.perf_counter() - t0
+    stats.target_forwards = 1
+
+    out = torch.empty((B, max_new_tokens), dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=dev)
+    next_pos = pos[:, -1:] + 1  # [B, 1]
+    mask = attention_mask
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else eos_token_id
+    for t in range(max_new_tokens):
+        # 2. record the token; rows that finished keep emitting padding (ignored)
+        next_tok = torch.where(done, torch.full_like(next_tok, pad), next_tok)
+        out[:, t] = next_tok
+        if eos_token_id is not None:
+            hit = (next_tok == eos_token_id) & ~done
+            lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+            done = done | hit
+        if t == max_new_tokens - 1 or (eos_token_id is not None and bool(done.all())):
+            break
+        # 3. one decode forward over the new token
+        t0 = time.perf_counter()
+        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
+        o = model(input_ids=next_tok[:, None], attention_mask=mask, position_ids=next_pos,
+                  past_key_values=cache, use_cache=True)
+        next_tok = sample(probs_from(o.logits[:, -1, :], sampling), generator)
+        next_pos = next_pos + 1
+        _sync(dev)
+        stats.step_times.append(time.perf_counter() - t0)
+        stats.target_forwards += 1
+
+    lengths_l = lengths.tolist()
+    outs = out.tolist()
+    tokens = [row[: min(n, t + 1)] for row, n in zip(outs, lengths_l)]
+    stats.new_tokens = sum(len(r) for r in tokens)
+    return GenerateResult(tokens=tokens, stats=stats)
