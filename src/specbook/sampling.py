@@ -104,6 +104,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     A one-hot row (greedy) always returns its argmax regardless of the uniform.
     """
     flat = probs.reshape(-1, probs.shape[-1]).float()  # [R, V]
+    if generator is None:  # only one-hot rows (greedy) may be "sampled" without a generator
+        if not bool(((flat == 0) | (flat == 1)).all()):
+            raise ValueError("sampling needs an explicit torch.Generator (no global RNG); pass generator=...")
+        return flat.argmax(-1).reshape(probs.shape[:-1])
     u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device)  # [R, 1]
     cdf = flat.cumsum(-1)
     cdf = cdf / cdf[:, -1:]  # guard against sum != 1 by rounding

@@ -1,0 +1,251 @@
+"""The one benchmark harness: Spec-Bench-format prompts in, a markdown table + JSON out.
+
+    python -m specbook.bench --methods ar,hf_generate --prompts eval --limit 20 \
+        --max-new-tokens 128 --temperature 0 --dtype bf16 --json build/bench.json
+
+Methods run *interleaved* (for each repeat, for each prompt, every method in a rotating order)
+so that machine noise hits all of them alike; speedup is tokens/s against ``ar`` measured in
+the same run. A method is a function registered with ``@method("name")``; later issues add
+drafters by registering more methods, never a second harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .sampling import SamplingConfig
+
+
+@dataclass
+class RunStats:
+    """What one method did on one prompt."""
+
+    new_tokens: int
+    seconds: float
+    target_forwards: int
+
+
+@dataclass
+class BenchContext:
+    model: object
+    tokenizer: object
+    sampling: SamplingConfig
+    max_new_tokens: int
+    extras: dict = field(default_factory=dict)  # lazily built per-method state (draft models, heads)
+
+
+MethodFn = Callable[[BenchContext, torch.Tensor, torch.Tensor, "torch.Generator | None"], RunStats]
+METHODS: dict[str, MethodFn] = {}
+DESCRIPTIONS: dict[str, str] = {}
+
+
+def method(name: str, description: str = ""):
+    def deco(fn: MethodFn) -> MethodFn:
+        METHODS[name] = fn
+        DESCRIPTIONS[name] = description or (fn.__doc__ or "").strip().split("\n")[0]
+        return fn
+
+    return deco
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    r = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return r, time.perf_counter() - t
+
+
+@method("ar", "our autoregressive loop (decoding.generate), the speedup baseline")
+def _ar(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .decoding import generate
+
+    res, dt = _timed(lambda: generate(ctx.model, ids, mask, max_new_tokens=ctx.max_new_tokens, sampling=ctx.sampling,
+                                      generator=gen, eos_token_id=ctx.tokenizer.eos_token_id))
+    return RunStats(res.stats.new_tokens, dt, res.stats.target_forwards)
+
+
+def hf_generate_kwargs(ctx: BenchContext, gen) -> dict:
+    """transformers generate() arguments equivalent to ``ctx.sampling`` (no other processors)."""
+    s = ctx.sampling
+    kw = dict(max_new_tokens=ctx.max_new_tokens, pad_token_id=ctx.tokenizer.pad_token_id,
+              eos_token_id=ctx.tokenizer.eos_token_id)
+    if s.greedy:
+        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        kw.update(do_sample=True, temperature=s.temperature, top_k=s.top_k or 0, top_p=s.top_p)
+    return kw
+
+
+def _hf_new_tokens(out: torch.Tensor, prompt_len: int, eos: int) -> int:
+    new = out[0, prompt_len:].tolist()
+    return new.index(eos) + 1 if eos in new else len(new)
+
+
+@method("hf_generate", "transformers model.generate() on the same model, dtype and settings")
+def _hf_generate(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    if gen is not None:  # HF samples from the global RNG; seed it from our generator for repeatability
+        torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    out, dt = _timed(lambda: ctx.model.generate(ids, attention_mask=mask, **hf_generate_kwargs(ctx, gen)))
+    n = _hf_new_tokens(out, ids.shape[1], ctx.tokenizer.eos_token_id)
+    return RunStats(n, dt, n)
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _peak_mem_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smollm2-135m-instruct",
+              dtype: str = "bf16", device: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
+              top_p: float = 1.0, top_k: int | None = None, repeats: int = 1, seed: int = 0,
+              progress: bool = True, model=None, tokenizer=None) -> dict:
+    """Run ``methods`` interleaved over ``prompts``; return the JSON-ready result."""
+    from tqdm.auto import tqdm
+
+    from .decoding import encode
+    from .models import load_model
+
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; available: {sorted(METHODS)}")
+    if "ar" not in methods:
+        methods = ["ar", *methods]  # speedup needs the baseline from the same run
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if model is None:
+        model, tokenizer = load_model(model_name, dtype=dtype, device=device)
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    ctx = BenchContext(model=model, tokenizer=tokenizer, sampling=sampling, max_new_tokens=max_new_tokens)
+    encoded = [encode(tokenizer, p["turns"][0], max_new_tokens=max_new_tokens,
+                      max_length=int(model.config.max_position_embeddings), device=model.device) for p in prompts]
+    # warm-up: one short run of every method (allocations, thread pools, lazy state)
+    warm = BenchContext(model=model, tokenizer=tokenizer, sampling=sampling, max_new_tokens=8, extras=ctx.extras)
+    for m in methods:
+        METHODS[m](warm, *encoded[0], torch.Generator().manual_seed(seed) if not sampling.greedy else None)
+    tot = defaultdict(lambda: {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0})
+    cat = defaultdict(lambda: {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0})
+    mem = {}
+    bar = tqdm(total=repeats * len(prompts) * len(methods), desc="bench", disable=not progress)
+    for r in range(repeats):
+        for i, (p, (ids, mask)) in enumerate(zip(prompts, encoded)):
+            k = (r * len(prompts) + i) % len(methods)
+            for m in methods[k:] + methods[:k]:  # rotate the order so no method always runs first
+                gen = None if sampling.greedy else torch.Generator().manual_seed(seed * 7919 + r * 104729 + i)
+                if model.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(model.device)
+                s = METHODS[m](ctx, ids, mask, gen)
+                mem[m] = max(mem.get(m, 0.0), _peak_mem_mb(model.device))
+                for acc in (tot[m], cat[(m, p.get("category", ""))]):
+                    acc["new_tokens"] += s.new_tokens
+                    acc["seconds"] += s.seconds
+                    acc["target_forwards"] += s.target_forwards
+                bar.update(1)
+    bar.close()
+
+    def row(m, a, base):
+        tps = a["new_tokens"] / a["seconds"] if a["seconds"] else 0.0
+        return {"method": m, "tokens_per_s": round(tps, 2),
+                "tau": round(a["new_tokens"] / max(a["target_forwards"], 1), 3),
+                "speedup": round(tps / base, 3) if base else None,
+                "target_forwards": a["target_forwards"], "new_tokens": a["new_tokens"],
+                "seconds": round(a["seconds"], 3)}
+
+    base = tot["ar"]["new_tokens"] / tot["ar"]["seconds"]
+    rows = []
+    for m in methods:
+        rr = row(m, tot[m], base)
+        rr["peak_mem_mb"] = round(mem[m], 1)
+        rows.append(rr)
+    by_cat = []
+    for c in sorted({c for (_, c) in cat}):
+        cb = cat[("ar", c)]
+        cbase = cb["new_tokens"] / cb["seconds"] if cb["seconds"] else 0
+        by_cat += [{"category": c, **row(m, cat[(m, c)], cbase)} for m in methods]
+    return {
+        "machine": machine_info(),
+        "settings": {"model": model_name, "dtype": str(model.dtype).replace("torch.", ""), "device": str(model.device),
+                     "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                     "repeats": repeats, "prompts": len(prompts), "seed": seed, "methods": methods,
+                     "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)"},
+        "rows": rows,
+        "by_category": by_cat,
+    }
+
+
+def markdown_table(result: dict) -> str:
+    cols = ["method", "tokens_per_s", "speedup", "tau", "target_forwards", "new_tokens", "peak_mem_mb"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in result["rows"]:
+        lines.append("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    from .prompts import load_prompts
+
+    ap = argparse.ArgumentParser(prog="python -m specbook.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--methods", default="ar,hf_generate", help=f"comma list; available: {','.join(sorted(METHODS))}")
+    ap.add_argument("--prompts", default="eval", help="'eval', 'train' or a Spec-Bench-format .jsonl path")
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16", "auto"])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the result here")
+    a = ap.parse_args(argv)
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    prompts = load_prompts(a.prompts, limit=a.limit)
+    res = run_bench(methods, prompts, model_name=a.model, dtype=a.dtype, device=a.device,
+                    max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                    repeats=a.repeats, seed=a.seed)
+    res["settings"]["command"] = "python -m specbook.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    res["settings"]["prompts_source"] = a.prompts
+    print(markdown_table(res))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(res, indent=1))
+        print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()

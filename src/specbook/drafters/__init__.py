@@ -1,0 +1,1 @@
+"""One module per method; each defines a Drafter (decoding.Drafter protocol)."""

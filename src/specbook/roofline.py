@@ -1,0 +1,224 @@
+"""Why decoding is memory-bandwidth bound: measured peaks, a datasheet table, the roofline model.
+
+A decode step must read every weight once (plus the KV cache) to produce B*k tokens. With
+bytes = weights + KV and FLOPs ~ 2 * params * B * k, the arithmetic intensity (FLOP/byte) of
+batch-1, k=1 decoding is ~1 for fp16 — far left of any accelerator's ridge point (hundreds of
+FLOP/byte), so time ~ bytes / bandwidth. Verifying k tokens at once multiplies FLOPs by k but
+barely changes bytes: until k*B reaches the ridge, it costs about one step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    bandwidth_gbs: float  # memory bandwidth, GB/s
+    tflops_bf16: float  # dense bf16/fp16 tensor throughput, TFLOP/s (no sparsity)
+    source: str
+
+
+# Datasheet figures (dense, no structured sparsity). Sources are the vendors' own pages/PDFs.
+DATASHEET: dict[str, Accelerator] = {
+    "H100 SXM": Accelerator("H100 SXM", 3350, 989, "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 3.35 TB/s HBM3; BF16 1,979 TFLOPS with sparsity -> 989 dense)"),
+    "H200 SXM": Accelerator("H200 SXM", 4800, 989, "NVIDIA H200 Tensor Core GPU datasheet (4.8 TB/s HBM3e; BF16 1,979 TFLOPS with sparsity -> 989 dense)"),
+    "A100 80GB SXM": Accelerator("A100 80GB SXM", 2039, 312, "NVIDIA A100 datasheet (80GB SXM: 2,039 GB/s HBM2e; BF16 312 TFLOPS dense)"),
+    "L4": Accelerator("L4", 300, 121, "NVIDIA L4 datasheet (300 GB/s GDDR6; BF16 242 TFLOPS with sparsity -> 121 dense)"),
+    "RTX 4090": Accelerator("RTX 4090", 1008, 165.2, "NVIDIA Ada Lovelace architecture whitepaper, RTX 4090 (1,008 GB/s GDDR6X; BF16 tensor 165.2 TFLOPS dense, FP32 accumulate)"),
+}
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(size_mb: int = 512, repeats: int = 5, device: str | torch.device = "cpu") -> float:
+    """Read bandwidth in GB/s: best of ``repeats`` full reductions over a ``size_mb`` fp32 buffer.
+
+    A sum reads every byte once and writes nothing, the same access pattern as streaming weights
+    through a matrix-vector product. Use a buffer much larger than the last-level cache.
+    """
+    device = torch.device(device)
+    x = torch.ones(size_mb * (1 << 20) // 4, dtype=torch.float32, device=device)
+    x.sum()  # warm-up: page-in, thread pool
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def measure_matmul_tflops(n: int = 1024, dtype: torch.dtype = torch.float32, repeats: int = 5,
+                          device: str | torch.device = "cpu") -> float:
+    """Dense matmul throughput in TFLOP/s: best of ``repeats`` n x n @ n x n products (2n^3 FLOPs)."""
+    device = torch.device(device)
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    b = torch.randn(n, n, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e12
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class StepCost:
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOP per byte read."""
+        return self.flops / self.bytes
+
+
+def param_counts(config) -> dict:
+    """Parameters of a Llama-like decoder from its config: per-layer, embedding, LM head."""
+    h, L = config.hidden_size, config.num_hidden_layers
+    inter = config.intermediate_size
+    nh, nkv = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    hd = getattr(config, "head_dim", None) or h // nh
+    attn = h * nh * hd + 2 * h * nkv * hd + nh * hd * h
+    mlp = 3 * h * inter
+    emb = config.vocab_size * h
+    head = 0 if getattr(config, "tie_word_embeddings", False) else emb
+    return {"layers": L * (attn + mlp + 2 * h), "embedding": emb, "lm_head": head, "final_norm": h,
+            "kv_per_token": 2 * L * nkv * hd}
+
+
+def decode_step_cost(config, batch: int = 1, k: int = 1, context: int = 512, bytes_per_param: float = 2.0,
+                     bytes_per_kv: float = 2.0) -> StepCost:
+    """FLOPs and bytes of one forward over ``k`` new tokens for each of ``batch`` sequences.
+
+    bytes: every weight once (the tied/untied LM head counted once; the embedding lookup reads only
+    B*k rows) + each sequence's KV cache of ``context`` tokens. FLOPs: 2 per weight per token for the
+    matmuls (LM head included) + attention scores/values (2 * 2 * context * heads * head_dim per
+    token per layer).
+    """
+    pc = param_counts(config)
+    h = config.hidden_size
+    nh = config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or h // nh
+    n = batch * k
+    matmul_params = pc["layers"] + config.vocab_size * h  # the LM head matmul runs even when tied
+    flops = 2.0 * matmul_params * n + 4.0 * config.num_hidden_layers * (context + k) * nh * hd * n
+    weight_bytes = (pc["layers"] + config.vocab_size * h + pc["final_norm"]) * bytes_per_param
+    kv_bytes = batch * (context + k) * pc["kv_per_token"] * bytes_per_kv
+    return StepCost(flops=flops, bytes=weight_bytes + kv_bytes)
+
+
+def bound_tokens_per_s(params: float, bytes_per_param: float, bandwidth_gbs: float) -> float:
+    """Upper bound on batch-1 decode speed: one full read of the weights per token."""
+    return bandwidth_gbs * 1e9 / (params * bytes_per_param)
+
+
+def attainable_tflops(intensity: float, bandwidth_gbs: float, peak_tflops: float) -> float:
+    """The roofline: min(peak compute, intensity * bandwidth)."""
+    return min(peak_tflops, intensity * bandwidth_gbs / 1e3)
+
+
+def ridge_point(bandwidth_gbs: float, peak_tflops: float) -> float:
+    """Intensity (FLOP/byte) at which a kernel stops being bandwidth bound."""
+    return peak_tflops * 1e3 / bandwidth_gbs
+
+
+# --------------------------------------------------------------------------- latency(k)
+
+
+@torch.inference_mode()
+def profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: int = 256, repeats: int = 3,
+                         batch: int = 1, generator: torch.Generator | None = None, progress: bool = False) -> dict:
+    """Forward latency (s, best of ``repeats``) of ``k`` new tokens on top of a ``context``-token cache.
+
+    The cache is prefilled once and cropped back to ``context`` after every timed forward, so each
+    measurement sees exactly the same state. Returns {k: seconds}.
+    """
+    from tqdm.auto import tqdm
+
+    from .cache import crop_to
+    from .decoding import new_cache
+
+    dev = model.device
+    V = model.config.vocab_size
+    g = generator or torch.Generator().manual_seed(0)
+    ctx_ids = torch.randint(V, (batch, context), generator=g).to(dev)
+    cache = new_cache(model)
+    model(input_ids=ctx_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = {}
+    for k in tqdm(list(ks), desc="latency(k)", disable=not progress):
+        ids = torch.randint(V, (batch, k), generator=g).to(dev)
+        pos = torch.arange(context, context + k, device=dev)[None].expand(batch, k)
+        best = float("inf")
+        for _ in range(repeats + 1):  # first run is a warm-up
+            _sync(dev)
+            t = time.perf_counter()
+            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            _sync(dev)
+            best = min(best, time.perf_counter() - t)
+            crop_to(cache, context)
+        out[int(k)] = best
+    return out
+
+
+# --------------------------------------------------------------------------- speculative speedup
+
+
+def expected_tokens_per_step(alpha: float, gamma: int) -> float:
+    """Leviathan et al. eq. (1): E[tokens per target forward] = (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    if alpha == 1:
+        return float(gamma + 1)
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Leviathan et al. Thm 3.8: walltime improvement (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma*c + 1)).
+
+    c = T_draft / T_target (cost of one draft step relative to one target step). Assumes verifying
+    gamma+1 tokens costs one target step — notebook 00's latency(k) measurement checks that.
+    """
+    if c < 0:
+        raise ValueError(f"c must be >= 0, got {c}")
+    return expected_tokens_per_step(alpha, gamma) / (gamma * c + 1)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plot_roofline(ax, bandwidth_gbs: float, peak_tflops: float, points: dict | None = None, label: str = "",
+                  color=None, imin: float = 0.05, imax: float = 1e4):
+    """Draw one roofline on a log-log axis; ``points`` = {name: (intensity, achieved TFLOP/s)}."""
+    import numpy as np
+
+    xs = np.logspace(np.log10(imin), np.log10(imax), 200)
+    ys = [attainable_tflops(x, bandwidth_gbs, peak_tflops) for x in xs]
+    (line,) = ax.loglog(xs, ys, label=label or f"{bandwidth_gbs:.0f} GB/s, {peak_tflops:.3g} TFLOP/s", color=color)
+    for name, (x, y) in (points or {}).items():
+        ax.scatter([x], [y], color=line.get_color(), zorder=3)
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, -10), fontsize=8)
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("attainable TFLOP/s")
+    ax.grid(True, which="both", alpha=0.3)
+    return ax

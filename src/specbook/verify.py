@@ -1,0 +1,219 @@
+"""THE verification core: greedy and lossless rejection sampling over a draft chain or tree.
+
+Notation (Leviathan et al. 2023, Chen et al. 2023):  **p = target, q = draft.**
+
+A draft is a tree given by a parents array (a chain is the tree with parents[i] = i - 1).
+Node i carries token x_i and q_i, the distribution x_i was drawn from (one-hot for
+deterministic picks such as top-k children or prompt lookup). The target scores the root
+(the last committed token) and every node in one forward, giving p_root and p_i.
+
+Lossless rule (chain: Leviathan Alg. 1; tree: recursive rejection over siblings, as in
+SpecInfer / EAGLE), walking down from the root:
+
+    p <- p(node)
+    for each child c of node, in order:
+        accept c with probability min(1, p(x_c) / q_c(x_c))        -> descend into c
+        otherwise p <- norm(max(0, p - q_c))                       -> try the next sibling
+    no child accepted:  emit a correction sampled from p (the residual)
+    leaf reached:       emit a bonus token sampled from p(leaf)
+
+For a chain this is exactly Leviathan's algorithm. Siblings must be i.i.d. draws from one q
+(or distinct one-hot picks); then every emitted token is distributed as the target's.
+
+Greedy (temperature 0): descend into the child whose token equals argmax p; correction = argmax.
+
+Typical acceptance (Medusa) is *lossy* and lives in ``typical_accept`` with that label.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingConfig, probs_from, sample
+
+
+@dataclass
+class DraftTree:
+    """What a drafter proposes. N nodes; node i's parent is ``parents[i]`` (-1 = the root).
+
+    tokens  [N] long     the drafted tokens
+    parents [N] long     parent index, topologically ordered (parents[i] < i)
+    q       [N, V] f32   the distribution node i was sampled from, or None (all one-hot)
+    confidence [N]       optional drafter confidence (EAGLE-2 / DSpark scheduling)
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    q: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
+
+    def __post_init__(self):
+        n = self.tokens.shape[0]
+        if self.parents.shape != (n,):
+            raise ValueError(f"parents must have shape [{n}], got {tuple(self.parents.shape)}")
+        if n and bool((self.parents >= torch.arange(n, device=self.parents.device)).any()):
+            raise ValueError("parents must be topologically ordered (parents[i] < i)")
+        if n and bool((self.parents < -1).any()):
+            raise ValueError("parents must be -1 (root) or a node index")
+        if self.q is not None and self.q.shape[0] != n:
+            raise ValueError(f"q must have one row per node ({n}), got {self.q.shape[0]}")
+
+    @staticmethod
+    def chain(tokens: torch.Tensor, q: torch.Tensor | None = None) -> "DraftTree":
+        n = tokens.shape[0]
+        return DraftTree(tokens, torch.arange(-1, n - 1, device=tokens.device), q)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def is_chain(self) -> bool:
+        n = len(self)
+        return bool(torch.equal(self.parents.cpu(), torch.arange(-1, n - 1)))
+
+
+@dataclass
+class VerifyResult:
+    path: list[int]  # accepted node indices, root to deepest
+    next_token: int  # correction (first rejection) or bonus (everything on the path accepted down to a leaf)
+    bonus: bool  # True when next_token is a bonus token
+    tested: list[tuple[int, bool]]  # (depth, accepted) per tested node: conditional per-position acceptance
+
+    @property
+    def n_accepted(self) -> int:
+        return len(self.path)
+
+
+def _children(parents: list[int], n: int) -> dict[int, list[int]]:
+    ch: dict[int, list[int]] = {-1: []}
+    for i in range(n):
+        ch.setdefault(parents[i], []).append(i)
+        ch.setdefault(i, [])
+    return ch
+
+
+def accept_prob(px: float, qx: float) -> float:
+    """min(1, p(x) / q(x)): the probability of keeping a token x drawn from q."""
+    return min(1.0, px / qx)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)); falls back to p when p <= q everywhere (only reachable through rounding)."""
+    r = (p - q).clamp_min(0)
+    s = r.sum()
+    return r / s if s > 1e-12 else p
+
+
+def verify(p: torch.Tensor, draft: DraftTree, sampling: SamplingConfig, generator: torch.Generator | None = None,
+           *, p_is_probs: bool = False) -> VerifyResult:
+    """Verify one draft against target scores ``p`` [N + 1, V]: row 0 = root, row i + 1 = node i.
+
+    ``p`` are logits unless ``p_is_probs``; the sampling config (temperature, top-k, top-p) turns them
+    into the target distribution exactly as plain decoding would. ``draft.q`` must have been computed
+    with the same config from the draft's logits (the drafter's job).
+    """
+    n = len(draft)
+    if p.shape[0] != n + 1:
+        raise ValueError(f"p must have N + 1 = {n + 1} rows (root + nodes), got {p.shape[0]}")
+    tokens = draft.tokens.tolist()
+    parents = draft.parents.tolist()
+    ch = _children(parents, n)
+    depth = [0] * n
+    for i in range(n):
+        depth[i] = 0 if parents[i] < 0 else depth[parents[i]] + 1
+    tested: list[tuple[int, bool]] = []
+    path: list[int] = []
+
+    if sampling.greedy:  # deterministic: no random numbers
+        best = p.argmax(-1).tolist()  # [N + 1]
+        node = -1
+        while True:
+            want = best[node + 1]
+            nxt = None
+            for c in ch[node]:
+                ok = tokens[c] == want
+                tested.append((depth[c], ok))
+                if ok:
+                    nxt = c
+                    break
+            if nxt is None:
+                return VerifyResult(path, want, bonus=not ch[node], tested=tested)
+            path.append(nxt)
+            node = nxt
+
+    if generator is None:
+        raise ValueError("lossless verification at temperature > 0 needs an explicit torch.Generator")
+    P = p.float() if p_is_probs else probs_from(p, sampling)  # [N + 1, V] float32
+    node = -1
+    cur = P[0]
+    while True:
+        nxt = None
+        for c in ch[node]:
+            x = tokens[c]
+            if draft.q is None:
+                qc = None
+                qx = 1.0
+            else:
+                qc = draft.q[c].float()
+                qx = float(qc[x])
+            if qx <= 0:
+                raise ValueError(f"draft node {c} has q(x)=0 for its own token {x}: q must be the distribution "
+                                 "the token was sampled from")
+            px = float(cur[x])
+            u = float(torch.rand(1, generator=generator, device=P.device))
+            ok = u < accept_prob(px, qx)
+            tested.append((depth[c], ok))
+            if ok:
+                nxt = c
+                break
+            if qc is None:  # one-hot q: remove x and renormalise
+                cur = cur.clone()
+                cur[x] = 0
+                s = cur.sum()
+                cur = cur / s if s > 1e-12 else P[node + 1]
+            else:
+                cur = residual(cur, qc)
+        if nxt is None:
+            tok = int(sample(cur, generator))
+            return VerifyResult(path, tok, bonus=not ch[node], tested=tested)
+        path.append(nxt)
+        node = nxt
+        cur = P[node + 1]
+
+
+def typical_accept(p_logits: torch.Tensor, draft: DraftTree, sampling: SamplingConfig, eps: float = 0.09,
+                   delta: float = 0.3, generator: torch.Generator | None = None) -> VerifyResult:
+    """Medusa's typical acceptance — **LOSSY**: the output is *not* distributed as the target's.
+
+    Accept x if p(x) > min(eps, delta * exp(-H(p))) (Cai et al. 2024, sec. 2.3.1); among accepted
+    children the first in tree order is taken; the next token is the target's argmax at the last
+    accepted node (Medusa's choice; it keeps greedy behaviour at low entropy).
+    """
+    n = len(draft)
+    P = probs_from(p_logits, SamplingConfig(temperature=max(sampling.temperature, 1e-5)))
+    ent = -(P * P.clamp_min(1e-30).log()).sum(-1)  # [N + 1]
+    thresh = torch.minimum(torch.full_like(ent, eps), delta * torch.exp(-ent))
+    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+    ch = _children(parents, n)
+    path, tested, node = [], [], -1
+    depth = {}
+    for i in range(n):
+        depth[i] = 0 if parents[i] < 0 else depth[parents[i]] + 1
+    while True:
+        nxt = None
+        for c in ch[node]:
+            ok = float(P[node + 1, tokens[c]]) > float(thresh[node + 1])
+            tested.append((depth[c], ok))
+            if ok:
+                nxt = c
+                break
+        if nxt is None:
+            if sampling.greedy or generator is None:
+                tok = int(P[node + 1].argmax())
+            else:
+                tok = int(sample(probs_from(p_logits[node + 1], sampling), generator))
+            return VerifyResult(path, tok, bonus=not ch[node], tested=tested)
+        path.append(nxt)
+        node = nxt

@@ -1,0 +1,62 @@
+import pytest
+from transformers import LlamaConfig
+
+from specbook import roofline as rl
+
+
+def smol_config():
+    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
+
+
+def test_param_count_matches_smollm2():
+    pc = rl.param_counts(smol_config())
+    total = pc["layers"] + pc["embedding"] + pc["lm_head"] + pc["final_norm"]
+    assert total == 134_515_008  # LlamaForCausalLM(SmolLM2-135M).num_parameters()
+
+
+def test_brief_example_tens_of_ms():
+    ms = 1e3 / rl.bound_tokens_per_s(100e9, 2, rl.DATASHEET["H100 SXM"].bandwidth_gbs)
+    assert 50 < ms < 70
+
+
+def test_intensity_grows_with_k_and_batch():
+    cfg = smol_config()
+    i1 = rl.decode_step_cost(cfg, 1, 1).intensity
+    assert 0.5 < i1 < 1.5  # ~1 FLOP/byte in 16-bit
+    assert rl.decode_step_cost(cfg, 1, 8).intensity > 7 * i1
+    assert rl.decode_step_cost(cfg, 8, 1).intensity > 5 * i1
+
+
+def test_roofline_and_ridge():
+    assert rl.attainable_tflops(1.0, 1000, 100) == pytest.approx(1.0)
+    assert rl.attainable_tflops(1e6, 1000, 100) == 100
+    assert rl.ridge_point(1000, 100) == pytest.approx(100)
+
+
+def test_leviathan_formula():
+    assert rl.expected_tokens_per_step(0.0, 5) == 1.0
+    assert rl.expected_tokens_per_step(1.0, 5) == 6.0
+    assert rl.expected_tokens_per_step(0.5, 2) == pytest.approx(1.75)
+    assert rl.expected_speedup(0.5, 2, 0.0) == pytest.approx(1.75)
+    assert rl.expected_speedup(0.5, 2, 0.5) == pytest.approx(1.75 / 2)
+    with pytest.raises(ValueError, match="alpha"):
+        rl.expected_tokens_per_step(1.2, 2)
+    with pytest.raises(ValueError, match="c must"):
+        rl.expected_speedup(0.5, 2, -1)
+
+
+def test_datasheet_has_sources():
+    for name in ("H100 SXM", "H200 SXM", "A100 80GB SXM", "L4", "RTX 4090"):
+        acc = rl.DATASHEET[name]
+        assert acc.bandwidth_gbs > 0 and acc.tflops_bf16 > 0 and "datasheet" in acc.source.lower() or "whitepaper" in acc.source.lower()
+
+
+def test_measurements_are_positive():
+    assert rl.measure_bandwidth(16, repeats=1) > 0
+    assert rl.measure_matmul_tflops(128, repeats=1) > 0
+
+
+def test_latency_profile_on_tiny(tiny):
+    lat = rl.profile_latency_vs_k(tiny, ks=(1, 4), context=8, repeats=1)
+    assert set(lat) == {1, 4} and all(v > 0 for v in lat.values())

@@ -1,0 +1,80 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specbook.sampling import SamplingConfig, logits_to_probs, make_generator, sample, top_k_filter, top_p_filter, validate
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 2.0], [5.0, 0.0, 0.0, 0.0]])
+    p = logits_to_probs(logits, temperature=0)
+    assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))  # ties -> lowest index
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([1.0, 2.0, 3.0])
+    p = logits_to_probs(logits, temperature=2.0)
+    assert torch.allclose(p, torch.softmax(logits / 2, -1))
+    assert p.dtype == torch.float32
+
+
+def test_bf16_logits_give_fp32_probs():
+    p = logits_to_probs(torch.randn(3, 10, generator=make_generator(0)).bfloat16(), temperature=1.0)
+    assert p.dtype == torch.float32 and torch.allclose(p.sum(-1), torch.ones(3))
+
+
+def test_top_k_keeps_k():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
+    assert torch.isinf(top_k_filter(logits, 2)).tolist() == [True, False, True, False]
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = ~torch.isinf(top_p_filter(probs.log(), 0.8))
+    assert kept.tolist() == [True, True, False, False]
+    kept = ~torch.isinf(top_p_filter(probs.log(), 0.81))
+    assert kept.tolist() == [True, True, True, False]
+    kept = ~torch.isinf(top_p_filter(probs.log(), 0.1))
+    assert kept.tolist() == [True, False, False, False]  # the top token is always kept
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"), (dict(temperature=float("nan")), "temperature"),
+])
+def test_bad_arguments_are_named(kw, msg):
+    args = dict(temperature=1.0, top_k=None, top_p=1.0) | kw
+    with pytest.raises(ValueError, match=msg):
+        validate(**args)
+    with pytest.raises(ValueError, match=msg):
+        SamplingConfig(**args)
+
+
+def test_sample_is_reproducible_and_uses_the_generator():
+    p = torch.softmax(torch.randn(64, 20, generator=make_generator(1)), -1)
+    a, b = sample(p, make_generator(7)), sample(p, make_generator(7))
+    c = sample(p, make_generator(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_sample_matches_distribution():
+    p = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    toks = sample(p.expand(200_000, 4), make_generator(3))
+    freq = torch.bincount(toks, minlength=4).float() / toks.numel()
+    assert freq[1] == 0
+    assert torch.allclose(freq, p, atol=0.005)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-20, 20), min_size=2, max_size=30), st.floats(0.05, 3.0),
+       st.integers(0, 40), st.floats(0.01, 1.0))
+def test_probs_are_a_distribution_and_never_sample_filtered(logits, t, k, p):
+    logits = torch.tensor(logits)
+    probs = logits_to_probs(logits, temperature=t, top_k=k, top_p=p)
+    assert torch.all(probs >= 0) and abs(float(probs.sum()) - 1) < 1e-5
+    assert probs[logits.argmax()] > 0  # the most likely token always survives
+    if k:
+        assert int((probs > 0).sum()) <= max(k, int((logits == logits.max()).sum()))
+    toks = sample(probs.expand(50, -1), make_generator(0))
+    assert torch.all(probs[toks] > 0)

@@ -1,0 +1,199 @@
+"""Losslessness of the verification core: analytic (hypothesis) and statistical (tiny model, enumerable)."""
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specbook import verify as V
+from specbook.models import tiny_llama
+from specbook.sampling import SamplingConfig, make_generator, probs_from
+from specbook.verify import DraftTree, accept_prob, residual, verify
+
+
+# --------------------------------------------------------------------------- analytic (exact) checks
+
+def dist(xs):
+    t = torch.tensor(xs, dtype=torch.float64)
+    return t / t.sum()
+
+
+def _vec(size):
+    # probability vectors with zeros allowed (disjoint supports happen)
+    return st.lists(st.one_of(st.just(0.0), st.floats(0.01, 1.0)), min_size=size, max_size=size).filter(lambda v: sum(v) > 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 6).flatmap(lambda n: st.tuples(_vec(n), _vec(n))))
+def test_one_step_output_distribution_is_exactly_p(pq):
+    """Draft x ~ q, accept w.p. min(1, p/q), else residual: P(out = y) = p(y) for any p, q."""
+    p, q = dist(pq[0]), dist(pq[1])
+    out = torch.zeros_like(p)
+    reject = 0.0
+    for x in range(len(p)):
+        if q[x] == 0:
+            continue
+        a = accept_prob(float(p[x]), float(q[x]))
+        out[x] += q[x] * a
+        reject += float(q[x]) * (1 - a)
+    out += reject * residual(p, q)
+    assert torch.allclose(out, p, atol=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 5).flatmap(lambda n: st.tuples(_vec(n), _vec(n))))
+def test_two_iid_siblings_recursive_rejection_is_exactly_p(pq):
+    """Tree step: two children drawn i.i.d. from q, tried in turn with p <- residual(p, q) between."""
+    p, q = dist(pq[0]), dist(pq[1])
+    out = torch.zeros_like(p)
+    for x1 in range(len(p)):
+        if q[x1] == 0:
+            continue
+        a1 = accept_prob(float(p[x1]), float(q[x1]))
+        out[x1] += q[x1] * a1
+        p2 = residual(p, q)
+        for x2 in range(len(p)):
+            if q[x2] == 0:
+                continue
+            a2 = accept_prob(float(p2[x2]), float(q[x2]))
+            out[x2] += q[x1] * (1 - a1) * q[x2] * a2
+            out += q[x1] * (1 - a1) * q[x2] * (1 - a2) * residual(p2, q)
+    assert torch.allclose(out, p, atol=1e-9)
+
+
+def test_greedy_verification():
+    V_ = 6
+    logits = torch.full((4, V_), -5.0)
+    for row, tok in enumerate([2, 3, 1, 4]):
+        logits[row, tok] = 5.0
+    d = DraftTree.chain(torch.tensor([2, 3, 5]))
+    r = verify(logits, d, SamplingConfig(0.0))
+    assert r.path == [0, 1] and r.next_token == 1 and not r.bonus
+    d = DraftTree.chain(torch.tensor([2, 3, 1]))
+    r = verify(logits, d, SamplingConfig(0.0))
+    assert r.path == [0, 1, 2] and r.next_token == 4 and r.bonus
+    # a tree: second child of the root matches
+    d = DraftTree(torch.tensor([0, 2, 3]), torch.tensor([-1, -1, 1]))
+    r = verify(logits[[0, 0, 1, 2]], d, SamplingConfig(0.0))
+    assert r.path == [1, 2] and r.bonus
+
+
+def test_bad_drafts_are_rejected():
+    with pytest.raises(ValueError, match="topologically"):
+        DraftTree(torch.tensor([1, 2]), torch.tensor([1, -1]))
+    with pytest.raises(ValueError, match="one row per node"):
+        DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]), q=torch.ones(3, 4))
+    d = DraftTree.chain(torch.tensor([1]), q=torch.tensor([[1.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="q\\(x\\)=0"):
+        verify(torch.zeros(2, 3), d, SamplingConfig(1.0), make_generator(0))
+    with pytest.raises(ValueError, match="Generator"):
+        verify(torch.zeros(2, 3), d, SamplingConfig(1.0))
+
+
+# --------------------------------------------------------------------------- statistical check on a tiny model
+
+VOCAB = 12
+PROMPT = [0, 3, 7]
+
+
+@pytest.fixture(scope="module")
+def tables():
+    """Exact target (p) and draft (q) next-token logits for every prefix of length <= 2 after PROMPT."""
+    tgt = tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=3)
+    drf = tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=4)
+    prefixes = [()] + [(a,) for a in range(VOCAB)] + list(itertools.product(range(VOCAB), repeat=2))
+
+    def run(model):
+        out = {}
+        with torch.no_grad():
+            for L in (0, 1, 2):
+                group = [p for p in prefixes if len(p) == L]
+                ids = torch.tensor([PROMPT + list(p) for p in group])
+                logits = model(ids).logits[:, -1, :]
+                out.update({p: logits[i] for i, p in enumerate(group)})
+        return out
+
+    return run(tgt), run(drf)
+
+
+def exact_joint(p_logits, cfg):
+    """Exact distribution of the first two emitted tokens under the target: [V, V]."""
+    p1 = probs_from(p_logits[()], cfg)
+    j = torch.stack([p1[a] * probs_from(p_logits[(a,)], cfg) for a in range(VOCAB)])
+    return j.double()
+
+
+def spec_samples(p_logits, q_logits, cfg, n, seed, gamma=2):
+    """Draw (y1, y2) with one speculative step of gamma draft tokens (chain) from the root."""
+    g = make_generator(seed)
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for _ in range(n):
+        prefix, toks, qs = (), [], []
+        for _ in range(gamma):
+            q = probs_from(q_logits[prefix], cfg)
+            x = int(torch.multinomial(q, 1, generator=g))
+            toks.append(x)
+            qs.append(q)
+            prefix = prefix + (x,)
+        rows = [p_logits[tuple(toks[:i])] for i in range(gamma + 1)] if gamma < 3 else None
+        res = verify(torch.stack(rows), DraftTree.chain(torch.tensor(toks), torch.stack(qs)), cfg, g)
+        out = [toks[i] for i in res.path] + [res.next_token]
+        if len(out) < 2:  # only a correction: the second token comes from the target itself
+            out.append(int(torch.multinomial(probs_from(p_logits[(out[0],)], cfg), 1, generator=g)))
+        counts[out[0], out[1]] += 1
+    return counts / n
+
+
+def tv(a, b):
+    return 0.5 * float((a - b).abs().sum())
+
+
+def tv_bound(p, n):
+    """1.5 x the expected TV of an n-sample empirical distribution of p: 0.5 * sum sqrt(p(1-p)/n)."""
+    return 1.5 * 0.5 * float(torch.sqrt(p * (1 - p) / n).sum())
+
+
+N = 100_000
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(0.5), SamplingConfig(1.0), SamplingConfig(1.0, top_p=0.8)],
+                         ids=["T0.5", "T1", "T1-top_p0.8"])
+def test_speculative_sampling_is_lossless(tables, cfg):
+    p_logits, q_logits = tables
+    exact = exact_joint(p_logits, cfg)
+    emp = spec_samples(p_logits, q_logits, cfg, N, seed=1)
+    d, b = tv(emp, exact), tv_bound(exact, N)
+    print(f"TV={d:.4f} bound={b:.4f}")
+    assert d < b, f"TV {d:.4f} >= bound {b:.4f}: speculative output is not distributed as the target"
+
+
+def test_broken_sampler_fails_the_same_test(tables, monkeypatch):
+    """Teeth: drop the residual (sample the correction from p instead) -> the TV test must fail."""
+    p_logits, q_logits = tables
+    cfg = SamplingConfig(1.0)
+    monkeypatch.setattr(V, "residual", lambda p, q: p)
+    exact = exact_joint(p_logits, cfg)
+    emp = spec_samples(p_logits, q_logits, cfg, N, seed=1)
+    print(f"broken: TV={tv(emp, exact):.4f} bound={tv_bound(exact, N):.4f}")
+    assert tv(emp, exact) > 2 * tv_bound(exact, N)
+
+
+def test_speculative_loop_end_to_end_matches_target(tables):
+    """The whole loop (prefill, draft model, caches, verify) on the tiny pair: first two tokens ~ target."""
+    from specbook.decoding import speculative_generate
+    from specbook.drafters.draft_model import DraftModelDrafter
+
+    p_logits, _ = tables
+    cfg = SamplingConfig(1.0)
+    tgt = tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=3)
+    drafter = DraftModelDrafter(tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=4), gamma=3)
+    g = make_generator(2)
+    n = 3000
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    ids = torch.tensor([PROMPT])
+    for _ in range(n):
+        y = speculative_generate(tgt, drafter, ids, max_new_tokens=2, sampling=cfg, generator=g, eos_token_id=-1).tokens[0]
+        counts[y[0], y[1]] += 1
+    exact = exact_joint(p_logits, cfg)
+    assert tv(counts / n, exact) < tv_bound(exact, n)
