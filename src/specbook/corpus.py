@@ -137,42 +137,48 @@ def generate_corpus(settings: CorpusSettings, out_dir: Path = CORPUS_DIR, limit:
 
 
 def finalize(settings, items, jobs, work: Path, out_dir: Path, fp: str, skipped: int, gen_seconds: float, tok) -> dict:
-    """Pack shards into tokens/index/records and write the manifest (sha256 of every file)."""
-    vocab = len(tok)
-    dt = np.uint16 if vocab <= 65535 else np.uint32
-    toks, index, meta = [], [], []
-    off = 0
+    """Pack the finished shards (in job order) into the committed corpus files."""
+    recs = []
     for p, b in jobs:
         z = np.load(work / f"p{p}_b{b:05d}.npz")
         pos = 0
         for i, n in zip(z["item"].tolist(), z["lens"].tolist()):
             r, pids = items[i]
-            resp = z["resp"][pos:pos + n]
+            recs.append((pids, z["resp"][pos:pos + n].tolist(),
+                         {"question_id": r["question_id"], "category": r.get("category", ""), "pass": p}))
             pos += n
-            toks.append(np.asarray(pids, dtype=dt))
-            toks.append(resp.astype(dt))
-            index.append((off, len(pids), n))
-            off += len(pids) + n
-            meta.append({"question_id": r["question_id"], "category": r.get("category", ""), "pass": p})
+    cmd = "python -m specbook.corpus generate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["generate"] else ""
+    return write_corpus(out_dir, recs, vocab_size=len(tok), target=settings.target, fingerprint=fp,
+                        settings=asdict(settings), extra={"skipped_too_long": skipped,
+                                                          "generation_seconds_this_run": round(gen_seconds, 1),
+                                                          "command": cmd})
+
+
+def write_corpus(out_dir: Path, recs: list[tuple[list[int], list[int], dict]], *, vocab_size: int, target: str,
+                 fingerprint: str, settings: dict, extra: dict | None = None) -> dict:
+    """Write (prompt ids, response ids, meta) records as tokens/index/records + manifest (sha256 of each file)."""
+    dt = np.uint16 if vocab_size <= 65535 else np.uint32
+    toks, index, meta = [], [], []
+    off = 0
+    for pids, resp, m in recs:
+        toks += [np.asarray(pids, dtype=dt), np.asarray(resp, dtype=dt)]
+        index.append((off, len(pids), len(resp)))
+        off += len(pids) + len(resp)
+        meta.append(m)
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    np.save(out_dir / "tokens.npy", np.concatenate(toks))
-    np.save(out_dir / "index.npy", np.asarray(index, dtype=np.int64))
+    np.save(out_dir / "tokens.npy", np.concatenate(toks) if toks else np.zeros(0, dt))
+    np.save(out_dir / "index.npy", np.asarray(index, dtype=np.int64).reshape(-1, 3))
     with open(out_dir / "records.jsonl", "w") as f:
         for m in meta:
             f.write(json.dumps(m) + "\n")
-    idx = np.asarray(index)
+    idx = np.asarray(index, dtype=np.int64).reshape(-1, 3)
     manifest = {
-        "target": settings.target,
-        "target_fingerprint": fp,
-        "settings": asdict(settings),
-        "records": len(index),
-        "prompt_tokens": int(idx[:, 1].sum()),
-        "response_tokens": int(idx[:, 2].sum()),
-        "skipped_too_long": skipped,
-        "generation_seconds_this_run": round(gen_seconds, 1),
-        "machine": _machine(),
+        "target": target, "target_fingerprint": fingerprint, "settings": settings, "records": len(index),
+        "prompt_tokens": int(idx[:, 1].sum()), "response_tokens": int(idx[:, 2].sum()),
+        "skipped_too_long": 0, "generation_seconds_this_run": 0.0, "machine": _machine(),
+        **(extra or {}),
         "files": {f: {"sha256": _sha(out_dir / f), "bytes": (out_dir / f).stat().st_size} for f in FILES},
-        "command": "python -m specbook.corpus generate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["generate"] else "",
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest

@@ -79,3 +79,97 @@ class DraftModelDrafter(Drafter):
         n = min(n, len(state.tokens) - 1)
         crop_to(self.cache, n)
         self.cached = self.cached[:n]
+
+
+# --------------------------------------------------------------------------- the distilled draft model
+
+DEFAULT_LAYERS_FROM = (0, 1, 29)  # which target layers initialise the draft's layers
+
+
+def build_draft_model(target, layers_from: tuple[int, ...] = DEFAULT_LAYERS_FROM):
+    """A small causal LM made from the target: a few of its decoder layers (copied, trainable), its final
+    norm (copied, trainable) and its embedding / tied LM head (shared storage, frozen).
+
+    Sharing the embedding keeps the draft's checkpoint to its layers (~3.5M parameters each for SmolLM2)
+    and guarantees the draft speaks the target's vocabulary.
+    """
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    L = target.config.num_hidden_layers
+    bad = [i for i in layers_from if not 0 <= i < L]
+    if not layers_from or bad:
+        raise ValueError(f"layers_from must be target layer indices in [0, {L}), got {layers_from}")
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = len(layers_from)
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = [target.config.layer_types[i] for i in layers_from]
+    draft = AutoModelForCausalLM.from_config(cfg, dtype=target.dtype)
+    with torch.no_grad():
+        for j, i in enumerate(layers_from):
+            draft.model.layers[j].load_state_dict(target.model.layers[i].state_dict())
+        draft.model.norm.load_state_dict(target.model.norm.state_dict())
+    emb = torch.nn.Parameter(target.get_input_embeddings().weight, requires_grad=False)  # same storage, frozen
+    draft.model.embed_tokens.weight = emb
+    draft.lm_head.weight = torch.nn.Parameter(target.get_output_embeddings().weight, requires_grad=False)
+    draft.to(target.device)
+    draft.specbook_layers_from = tuple(layers_from)
+    return draft
+
+
+def trainable_state(draft) -> dict:
+    return {k: v for k, v in draft.state_dict().items() if not k.startswith(("model.embed_tokens", "lm_head"))}
+
+
+class DraftModelObjective:
+    """Distillation: KL(p_target || q_draft) at every response position (teacher = target's cached final
+    hidden state through the frozen LM head)."""
+
+    kind = "draft_model"
+
+    def __init__(self, target, layers_from: tuple[int, ...] = DEFAULT_LAYERS_FROM, feature_index: int = 0):
+        self.draft = build_draft_model(target, layers_from)
+        self.draft.float()  # master weights in fp32; the loop autocasts to bf16 where that is native
+        self.module = self.draft
+        self.layers_from = tuple(layers_from)
+        self.fi = feature_index  # which cached layer is the final hidden state
+
+    def _logits(self, batch):
+        h = self.draft.model(input_ids=batch.tokens).last_hidden_state  # [B, S, H]
+        W = self.draft.lm_head.weight
+        q_logits = (h[batch.mask]) @ W.T.to(h.dtype)  # [M, V]
+        ht = batch.feats[:, :, self.fi, :][batch.mask].to(h.dtype)  # [M, H]
+        p_logits = ht @ W.T.to(h.dtype)  # [M, V]
+        return p_logits.float(), q_logits.float()
+
+    def loss(self, batch):
+        p_logits, q_logits = self._logits(batch)
+        logp = torch.log_softmax(p_logits, -1)
+        logq = torch.log_softmax(q_logits, -1)
+        kl = (logp.exp() * (logp - logq)).sum(-1).mean()
+        return kl, {"top1": float((p_logits.argmax(-1) == q_logits.argmax(-1)).float().mean())}
+
+    def evaluate(self, batch):
+        p_logits, q_logits = self._logits(batch)
+        p, q = torch.softmax(p_logits, -1), torch.softmax(q_logits, -1)
+        return {"top1_agree": float((p.argmax(-1) == q.argmax(-1)).float().mean()),  # greedy acceptance
+                "alpha_T1": float(torch.minimum(p, q).sum(-1).mean())}  # 1 - TV: acceptance at T=1
+
+    def card_config(self) -> dict:
+        return {"layers_from": list(self.layers_from)}
+
+    def state(self) -> dict:
+        return trainable_state(self.draft)
+
+
+def load_draft_model(target, path):
+    """Build the draft for ``target`` from a checkpoint (refuses one trained for another target)."""
+    from ..training import CheckpointError, load_checkpoint
+
+    state, card = load_checkpoint(path, target=target, kind="draft_model")
+    draft = build_draft_model(target, tuple(card["config"]["layers_from"]))
+    missing, unexpected = draft.load_state_dict({k: v.to(target.dtype) for k, v in state.items()}, strict=False)
+    if unexpected or [k for k in missing if not k.startswith(("model.embed_tokens", "lm_head"))]:
+        raise CheckpointError(f"{path}: weights do not match a draft_model with layers {card['config']['layers_from']}")
+    return draft.eval(), card

@@ -1,0 +1,148 @@
+"""Cached target features: the target's hidden states over the corpus, computed once.
+
+Every drafter is trained against what the target computes on the corpus: its final (post-norm)
+hidden state gives the target's next-token distribution (through the frozen LM head), and
+low/mid/high layers feed EAGLE-3 / DSpark. Running the target once and memory-mapping the result
+makes training cost only the drafter's own forward/backward.
+
+Layer indices follow ``output_hidden_states``: 0 = embeddings, l = output of decoder layer l-1,
+-1 = the final hidden state after the last norm (what the LM head reads).
+
+Stored under ``$SPECBOOK_CACHE/features/<key>/`` (not committed): ``feats.bin`` (bf16 bits,
+[T, n_layers, H], row t = token t of corpus.tokens) + ``meta.json``. The key hashes the target
+fingerprint, the corpus sha and the layers; ``load_or_build`` rebuilds a stale or partial cache
+and refuses a store whose metadata does not match (never silently the wrong features).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .corpus import Corpus
+
+
+class StaleFeatures(RuntimeError):
+    pass
+
+
+def feature_key(fingerprint: str, corpus_sha: str, layers: tuple[int, ...]) -> str:
+    return hashlib.sha256(json.dumps([fingerprint, corpus_sha, list(layers)]).encode()).hexdigest()[:16]
+
+
+@dataclass
+class FeatureStore:
+    path: Path
+    meta: dict
+    data: np.ndarray  # int16 view of bf16, [T, n_layers, H]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(self.meta["layers"])
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Features of corpus tokens [start, stop) -> bf16 tensor [stop - start, n_layers, H]."""
+        return torch.from_numpy(np.array(self.data[start:stop])).view(torch.bfloat16)
+
+    def check(self, fingerprint: str, corpus_sha: str, layers: tuple[int, ...]) -> None:
+        want = {"target_fingerprint": fingerprint, "corpus_sha": corpus_sha, "layers": list(layers)}
+        got = {k: self.meta.get(k) for k in want}
+        if got != want:
+            raise StaleFeatures(f"feature cache {self.path} was built for {got}, not {want}; rebuild it "
+                                "(specbook.features.load_or_build does so automatically)")
+
+
+def _root() -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "features"
+
+
+def open_store(path: Path) -> FeatureStore:
+    meta_p = path / "meta.json"
+    if not meta_p.exists():
+        raise StaleFeatures(f"{path}: meta.json missing (partial build)")
+    meta = json.loads(meta_p.read_text())
+    shape = tuple(meta["shape"])
+    f = path / "feats.bin"
+    if not f.exists() or f.stat().st_size != int(np.prod(shape)) * 2:
+        raise StaleFeatures(f"{f}: missing or wrong size (partial build)")
+    return FeatureStore(path, meta, np.memmap(f, dtype=np.int16, mode="r", shape=shape))
+
+
+@torch.inference_mode()
+def build(target, corpus: Corpus, layers: tuple[int, ...], out: Path, batch_tokens: int = 8192,
+          progress: bool = True) -> FeatureStore:
+    """Run the target over every corpus sequence once; write features to ``out`` atomically."""
+    from tqdm.auto import tqdm
+
+    from .models import fingerprint
+
+    H = target.config.hidden_size
+    T = int(corpus.tokens.shape[0])
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mm = np.memmap(tmp / "feats.bin", dtype=np.int16, mode="w+", shape=(T, len(layers), H))
+    order = sorted(range(len(corpus)), key=lambda i: int(corpus.index[i, 1] + corpus.index[i, 2]))
+    batches, cur, cur_len = [], [], 0
+    for i in order:  # group similar lengths; right padding is harmless for a causal model
+        n = int(corpus.index[i, 1] + corpus.index[i, 2])
+        if cur and max(cur_len, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, cur_len = [], 0
+        cur.append(i)
+        cur_len = max(cur_len, n)
+    if cur:
+        batches.append(cur)
+    dev = target.device
+    for b in tqdm(batches, desc="features", disable=not progress):
+        seqs = [corpus.sequence(i) for i in b]
+        L = max(len(s) for s in seqs)
+        ids = torch.zeros(len(b), L, dtype=torch.long)
+        mask = torch.zeros(len(b), L, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            ids[r, :len(s)] = torch.from_numpy(s)
+            mask[r, :len(s)] = 1
+        o = target.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True)
+        hs = [o.last_hidden_state if l == -1 else o.hidden_states[l] for l in layers]
+        stacked = torch.stack(hs, dim=2).to(torch.bfloat16).cpu()  # [B, L, n_layers, H]
+        for r, (i, s) in enumerate(zip(b, seqs)):
+            off = int(corpus.index[i, 0])
+            mm[off:off + len(s)] = stacked[r, :len(s)].view(torch.int16).numpy()
+    mm.flush()
+    del mm
+    meta = {"target_fingerprint": fingerprint(target), "corpus_sha": corpus.sha, "layers": list(layers),
+            "shape": [T, len(layers), H], "dtype": "bfloat16-bits-as-int16", "target_dtype": str(target.dtype)}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return open_store(out)
+
+
+def load_or_build(target, corpus: Corpus, layers: tuple[int, ...] = (-1,), root: Path | None = None,
+                  progress: bool = True, **kw) -> FeatureStore:
+    """The feature store for (target, corpus, layers): reused when valid, rebuilt when stale or partial."""
+    from filelock import FileLock
+
+    from .models import fingerprint
+
+    fp = fingerprint(target)
+    root = Path(root) if root else _root()
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / feature_key(fp, corpus.sha, tuple(layers))
+    with FileLock(str(path) + ".lock"):
+        try:
+            store = open_store(path)
+            store.check(fp, corpus.sha, tuple(layers))
+            return store
+        except StaleFeatures:
+            pass
+        return build(target, corpus, tuple(layers), path, progress=progress, **kw)

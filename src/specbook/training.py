@@ -1,0 +1,303 @@
+"""The one training loop every drafter plugs into, and drafter checkpoints.
+
+A drafter supplies an ``Objective``: its trainable module, ``loss(batch)`` and
+``evaluate(batch)`` (held-out per-position acceptance). The loop supplies everything else:
+AdamW, linear warmup + cosine decay, gradient clipping, bf16 autocast on GPU, a tqdm bar,
+periodic held-out evaluation, resumable checkpoints and fixed seeds. Batches are windows of the
+self-distilled corpus with the target's cached features (features.py); batch t is a pure
+function of (seed, t), so a resumed run sees exactly the batches an uninterrupted run would.
+
+Checkpoints: ``<name>.safetensors`` (trainable weights, bf16 by default) + ``<name>.json`` (the
+card: drafter kind and config, target fingerprint, corpus sha, steps, held-out metrics, the
+command that made it, the weights' sha256). Loading onto another target, or a truncated /
+corrupt file, is a clear error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, S] long
+    feats: torch.Tensor  # [B, S, n_layers, H] (target features at the same positions)
+    mask: torch.Tensor  # [B, S] bool: response positions whose next token is in the window (loss positions)
+
+
+class TrainData:
+    """Random windows over corpus records, split into train / held-out records by a fixed rule."""
+
+    def __init__(self, corpus, store, seq_len: int = 256, heldout_fraction: float = 0.03, seed: int = 0):
+        if len(corpus) < 2:
+            raise ValueError("the corpus needs at least 2 records (train + held-out)")
+        self.corpus, self.store, self.seq_len = corpus, store, seq_len
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(len(corpus), generator=g).tolist()
+        n_eval = max(1, int(len(corpus) * heldout_fraction))
+        self.heldout, self.train = perm[:n_eval], perm[n_eval:]
+
+    def _window(self, rec: int, g: torch.Generator) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
+        off, pl, rl = (int(x) for x in self.corpus.index[rec])
+        n = pl + rl
+        S = self.seq_len
+        # start anywhere such that the window contains at least one response position
+        lo, hi = max(0, pl - S + 2), max(0, n - 2)
+        start = lo if hi <= lo else lo + int(torch.randint(hi - lo + 1, (1,), generator=g))
+        stop = min(n, start + S)
+        toks = self.corpus.tokens[off + start:off + stop].astype(np.int64)
+        feats = self.store.rows(off + start, off + stop)
+        pos = np.arange(start, stop)
+        mask = (pos >= pl - 1) & (pos < n - 1)  # predicting a response token from inside the window
+        mask[-1] = False  # its next token is outside the window
+        return toks, feats, mask
+
+    def batch(self, size: int, g: torch.Generator, heldout: bool = False) -> Batch:
+        pool = self.heldout if heldout else self.train
+        recs = [pool[int(i)] for i in torch.randint(len(pool), (size,), generator=g)]
+        ws = [self._window(r, g) for r in recs]
+        S = max(len(w[0]) for w in ws)
+        nl, H = ws[0][1].shape[1:]
+        toks = torch.zeros(size, S, dtype=torch.long)
+        feats = torch.zeros(size, S, nl, H, dtype=torch.bfloat16)
+        mask = torch.zeros(size, S, dtype=torch.bool)
+        for i, (t, f, m) in enumerate(ws):
+            toks[i, :len(t)] = torch.from_numpy(t)
+            feats[i, :len(t)] = f
+            mask[i, :len(t)] = torch.from_numpy(m)
+        return Batch(toks, feats, mask)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    batch: int = 8  # windows per step
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup: int = 30
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 4
+    ckpt_every: int = 100
+    seed: int = 0
+    autocast: str = "auto"  # "auto": bf16 on CUDA and on CPUs with native bf16 (AMX / AVX512-BF16); "off"
+
+    def __post_init__(self):
+        for k in ("steps", "batch", "seq_len", "eval_every", "ckpt_every", "eval_batches"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to cfg.lr, then cosine to cfg.lr * min_lr_ratio at cfg.steps."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+class Objective:
+    """What a drafter plugs into the loop."""
+
+    kind: str = "objective"
+    module: torch.nn.Module
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, dict]:  # pragma: no cover - protocol
+        raise NotImplementedError
+
+    def evaluate(self, batch: Batch) -> dict:  # pragma: no cover - protocol
+        raise NotImplementedError
+
+    def card_config(self) -> dict:
+        return {}
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    history: list[dict] = field(default_factory=list)  # {"step", "loss", "lr"} every step
+    evals: list[dict] = field(default_factory=list)  # {"step", **metrics}
+    seconds: float = 0.0
+
+
+def _evaluate(obj: Objective, data: TrainData, cfg: TrainConfig, device) -> dict:
+    g = torch.Generator().manual_seed(cfg.seed + 999_983)
+    acc: dict[str, list[float]] = {}
+    obj.module.eval()
+    with torch.no_grad():
+        for _ in range(cfg.eval_batches):
+            b = data.batch(cfg.batch, g, heldout=True)
+            for k, v in obj.evaluate(_to(b, device)).items():
+                acc.setdefault(k, []).append(float(v))
+    obj.module.train()
+    return {k: float(np.mean(v)) for k, v in acc.items()}
+
+
+def _to(b: Batch, device) -> Batch:
+    return Batch(b.tokens.to(device), b.feats.to(device), b.mask.to(device))
+
+
+def train(obj: Objective, data: TrainData, cfg: TrainConfig, run_dir: Path | None = None, resume: bool = True,
+          progress: bool = True, stop_after: int | None = None) -> TrainResult:
+    """Train ``obj.module`` for cfg.steps. With ``run_dir``, a resumable state is saved every
+    ``ckpt_every`` steps and picked up again when ``resume``. ``stop_after`` interrupts early
+    (tests use it to simulate a crash)."""
+    from tqdm.auto import tqdm
+
+    params = [p for p in obj.module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{obj.kind}: no trainable parameters")
+    device = params[0].device
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    res = TrainResult(steps=0)
+    start = 0
+    state_path = Path(run_dir) / "state.pt" if run_dir else None
+    if state_path and resume and state_path.exists():
+        st = torch.load(state_path, map_location=device, weights_only=False)
+        if st["config"] != asdict(cfg) or st["kind"] != obj.kind:
+            raise ValueError(f"{state_path} belongs to another run ({st['kind']}, {st['config']}); use another run_dir")
+        obj.module.load_state_dict(st["module"])
+        opt.load_state_dict(st["opt"])
+        start, res.history, res.evals = st["step"], st["history"], st["evals"]
+    autocast = _autocast(device, cfg.autocast)
+    obj.module.train()
+    t0 = time.perf_counter()
+    bar = tqdm(range(start, cfg.steps), desc=f"train {obj.kind}", disable=not progress, initial=start, total=cfg.steps)
+    for step in bar:
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(step, cfg)
+        b = _to(data.batch(cfg.batch, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)), device)
+        with autocast:
+            loss, metrics = obj.loss(b)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        res.history.append({"step": step + 1, "loss": float(loss.detach()), "lr": lr_at(step, cfg), "grad_norm": float(gn),
+                            **{k: float(v) for k, v in metrics.items()}})
+        bar.set_postfix(loss=f"{float(loss):.3f}")
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            ev = _evaluate(obj, data, cfg, device)
+            res.evals.append({"step": done, **ev})
+            bar.write(f"[{obj.kind}] step {done}: " + " ".join(f"{k}={v:.3f}" for k, v in ev.items()))
+        if state_path and (done % cfg.ckpt_every == 0 or done == cfg.steps):
+            state_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = state_path.with_suffix(".tmp")
+            torch.save({"kind": obj.kind, "config": asdict(cfg), "step": done, "module": obj.module.state_dict(),
+                        "opt": opt.state_dict(), "history": res.history, "evals": res.evals}, tmp)
+            os.replace(tmp, state_path)
+        if stop_after is not None and done >= stop_after:
+            break
+    res.steps = len(res.history)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def _autocast(device, mode: str):
+    if mode == "off":
+        return _null()
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    if device.type == "cpu" and cpu_has_native_bf16():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return _null()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _sha_file(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        while b := f.read(1 << 22):
+            h.update(b)
+    return h.hexdigest()
+
+
+def save_checkpoint(path: str | Path, state: dict[str, torch.Tensor], card: dict, dtype=torch.bfloat16) -> Path:
+    """Write ``path``.safetensors + ``path``.json atomically; the card gets the weights' sha256."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    st = path.with_suffix(".safetensors")
+    tmp = st.with_suffix(".tmp")
+    save_file({k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous() for k, v in state.items()},
+              str(tmp))
+    os.replace(tmp, st)
+    card = {**card, "weights_sha256": _sha_file(st), "weights_dtype": str(dtype).replace("torch.", ""),
+            "command": card.get("command") or " ".join(["python", "-m", *sys.argv[:1], *sys.argv[1:]])}
+    path.with_suffix(".json").write_text(json.dumps(card, indent=1, default=str))
+    return st
+
+
+def load_checkpoint(path: str | Path, target=None, kind: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a checkpoint; refuse one made for another target / kind, or a corrupt file."""
+    from safetensors.torch import load_file
+
+    from .models import fingerprint
+
+    path = Path(path)
+    st, cj = path.with_suffix(".safetensors"), path.with_suffix(".json")
+    if not st.exists() or not cj.exists():
+        raise CheckpointError(f"checkpoint {path} needs both {st.name} and {cj.name}")
+    try:
+        card = json.loads(cj.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{cj}: card is not valid JSON ({e})") from e
+    if _sha_file(st) != card.get("weights_sha256"):
+        raise CheckpointError(f"{st}: sha256 differs from its card (truncated or corrupt); re-download or retrain "
+                              f"with: {card.get('command', 'the command in the card')}")
+    if kind is not None and card.get("kind") != kind:
+        raise CheckpointError(f"{path} is a {card.get('kind')!r} checkpoint, not {kind!r}")
+    if target is not None and card.get("target_fingerprint") != fingerprint(target):
+        raise CheckpointError(
+            f"{path} was trained for target {card.get('target')!r} (fingerprint {card.get('target_fingerprint')}), "
+            f"but this target's fingerprint is {fingerprint(target)}; train one for this target with "
+            f"`python -m specbook.train {card.get('kind')} --target ...`")
+    try:
+        state = load_file(str(st))
+    except Exception as e:  # safetensors raises several types for a damaged header
+        raise CheckpointError(f"{st}: cannot be read ({e})") from e
+    return state, card

@@ -1,0 +1,149 @@
+"""Corpus round trip, feature cache staleness, the training loop, checkpoints."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specbook.corpus import CorpusError, load_corpus, tokenize_prompts, write_corpus
+from specbook.drafters.draft_model import DraftModelObjective, load_draft_model
+from specbook.features import StaleFeatures, load_or_build, open_store
+from specbook.models import fingerprint, tiny_llama
+from specbook.training import CheckpointError, TrainConfig, TrainData, load_checkpoint, save_checkpoint, train
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return tiny_llama(vocab_size=48, hidden_size=32, seed=0)
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path, tiny_target):
+    from specbook.decoding import generate, pad_left
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [[0] + torch.randint(2, 48, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(24)]
+    recs = []
+    for i, p in enumerate(prompts):
+        out = generate(tiny_target, *pad_left([p], 1), max_new_tokens=40, eos_token_id=-1).tokens[0]
+        recs.append((p, out, {"question_id": f"q{i}", "category": "toy", "pass": 0}))
+    write_corpus(tmp_path / "corpus", recs, vocab_size=48, target="tiny", fingerprint=fingerprint(tiny_target),
+                 settings={"toy": True})
+    return load_corpus(tmp_path / "corpus"), recs
+
+
+def test_corpus_round_trip(tiny_corpus):
+    corpus, recs = tiny_corpus
+    assert len(corpus) == len(recs)
+    for i, (p, r, m) in enumerate(recs):
+        assert corpus.sequence(i).tolist() == p + r
+        assert corpus.prompt_len(i) == len(p)
+        assert corpus.records[i] == m
+    assert corpus.manifest["response_tokens"] == sum(len(r) for _, r, _ in recs)
+
+
+def test_corpus_tampering_is_detected(tiny_corpus, tmp_path):
+    corpus, _ = tiny_corpus
+    tokens = np.load(tmp_path / "corpus" / "tokens.npy")
+    tokens[3] += 1
+    np.save(tmp_path / "corpus" / "tokens.npy", tokens)
+    with pytest.raises(CorpusError, match="sha256"):
+        load_corpus(tmp_path / "corpus")
+    with pytest.raises(CorpusError, match="no corpus"):
+        load_corpus(tmp_path / "nowhere")
+
+
+def test_long_prompts_are_skipped_and_counted():
+    class Tok:
+        def apply_chat_template(self, msgs, **kw):
+            return list(range(len(msgs[0]["content"])))
+
+    recs = [{"question_id": "a", "turns": ["short"]}, {"question_id": "b", "turns": ["x" * 50]}]
+    kept, skipped = tokenize_prompts(Tok(), recs, max_prompt_tokens=10)
+    assert [r["question_id"] for r, _ in kept] == ["a"] and skipped == 1
+
+
+def test_feature_cache_reuse_and_staleness(tiny_corpus, tiny_target, tmp_path):
+    corpus, _ = tiny_corpus
+    store = load_or_build(tiny_target, corpus, (-1, 1), root=tmp_path / "feats", progress=False)
+    # features equal the target's own hidden states
+    seq = torch.from_numpy(corpus.sequence(2))[None]
+    with torch.no_grad():
+        o = tiny_target.model(input_ids=seq, output_hidden_states=True)
+    off, n = int(corpus.index[2, 0]), seq.shape[1]
+    got = store.rows(off, off + n).float()
+    assert torch.allclose(got[:, 0], o.last_hidden_state[0], atol=3e-2, rtol=2e-2)
+    assert torch.allclose(got[:, 1], o.hidden_states[1][0], atol=3e-2, rtol=2e-2)
+    again = load_or_build(tiny_target, corpus, (-1, 1), root=tmp_path / "feats", progress=False)
+    assert again.path == store.path
+    # a store built for another target is refused, never silently used
+    with pytest.raises(StaleFeatures, match="built for"):
+        store.check("0000000000000000", corpus.sha, (-1, 1))
+    (store.path / "meta.json").unlink()  # partial build
+    with pytest.raises(StaleFeatures, match="partial"):
+        open_store(store.path)
+    rebuilt = load_or_build(tiny_target, corpus, (-1, 1), root=tmp_path / "feats", progress=False)
+    assert rebuilt.meta["corpus_sha"] == corpus.sha
+
+
+def _setup(tiny_target, corpus, tmp_path):
+    store = load_or_build(tiny_target, corpus, (-1,), root=tmp_path / "feats", progress=False)
+    return TrainData(corpus, store, seq_len=24, seed=0)
+
+
+def test_loop_drives_toy_drafter_below_bound(tiny_corpus, tiny_target, tmp_path):
+    corpus, _ = tiny_corpus
+    data = _setup(tiny_target, corpus, tmp_path)
+    obj = DraftModelObjective(tiny_target, layers_from=(0,))
+    cfg = TrainConfig(steps=150, batch=8, seq_len=24, lr=1e-2, warmup=5, eval_every=75, ckpt_every=75, autocast="off")
+    first = obj.loss(data.batch(8, torch.Generator().manual_seed(123)))[0].item()
+    with torch.no_grad():
+        alpha0 = obj.evaluate(data.batch(32, torch.Generator().manual_seed(5), heldout=True))["alpha_T1"]
+    res = train(obj, data, cfg, progress=False)
+    last = np.mean([h["loss"] for h in res.history[-10:]])
+    print(f"KL first {first:.3f} -> last {last:.3f}; held-out {res.evals[-1]}")
+    assert last < 0.5 * first, "the loop must at least halve the distillation loss of a 1-layer toy draft"
+    assert res.evals[-1]["alpha_T1"] > alpha0 + 0.05, f"held-out acceptance {alpha0:.3f} -> {res.evals[-1]['alpha_T1']:.3f}"
+
+
+def test_resume_gives_the_same_weights(tiny_corpus, tiny_target, tmp_path):
+    corpus, _ = tiny_corpus
+    data = _setup(tiny_target, corpus, tmp_path)
+    cfg = TrainConfig(steps=12, batch=4, seq_len=24, warmup=2, eval_every=4, ckpt_every=4, autocast="off")
+    a = DraftModelObjective(tiny_target, layers_from=(0,))
+    train(a, data, cfg, run_dir=tmp_path / "full", progress=False)
+    b = DraftModelObjective(tiny_target, layers_from=(0,))
+    train(b, data, cfg, run_dir=tmp_path / "crash", progress=False, stop_after=8)  # "crash" after step 8
+    c = DraftModelObjective(tiny_target, layers_from=(0,))
+    res = train(c, data, cfg, run_dir=tmp_path / "crash", progress=False)  # resume from step 8
+    assert res.steps == 12
+    for (k, va), vc in zip(a.state().items(), c.state().values()):
+        assert torch.equal(va, vc), k
+
+
+def test_checkpoint_round_trip_and_errors(tiny_target, tmp_path):
+    obj = DraftModelObjective(tiny_target, layers_from=(0,))
+    card = {"kind": "draft_model", "config": obj.card_config(), "target": "tiny",
+            "target_fingerprint": fingerprint(tiny_target), "heldout": {}}
+    save_checkpoint(tmp_path / "ck", obj.state(), card, dtype=torch.float32)
+    draft, c = load_draft_model(tiny_target, tmp_path / "ck")
+    for k, v in obj.state().items():
+        assert torch.equal(draft.state_dict()[k], v), k
+    with pytest.raises(CheckpointError, match="trained for target"):
+        load_checkpoint(tmp_path / "ck", target=tiny_llama(vocab_size=48, hidden_size=32, seed=9))
+    with pytest.raises(CheckpointError, match="not 'medusa'"):
+        load_checkpoint(tmp_path / "ck", kind="medusa")
+    st = tmp_path / "ck.safetensors"
+    st.write_bytes(st.read_bytes()[:-50])  # truncated
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_checkpoint(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match="needs both"):
+        load_checkpoint(tmp_path / "missing")
+
+
+def test_bad_train_config():
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="lr"):
+        TrainConfig(lr=0)
