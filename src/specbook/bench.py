@@ -34,7 +34,7 @@ class RunStats:
 
     new_tokens: int
     seconds: float
-    target_forwards: int
+    target_forwards: int | None  # None where the method does not expose it (transformers' own loops)
 
 
 @dataclass
@@ -96,11 +96,72 @@ def _hf_new_tokens(out: torch.Tensor, prompt_len: int, eos: int) -> int:
 
 @method("hf_generate", "transformers model.generate() on the same model, dtype and settings")
 def _hf_generate(ctx: BenchContext, ids, mask, gen) -> RunStats:
-    if gen is not None:  # HF samples from the global RNG; seed it from our generator for repeatability
+    if gen is not None:  # transformers samples from the global RNG: seed it from our generator (its only use)
         torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
     out, dt = _timed(lambda: ctx.model.generate(ids, attention_mask=mask, **hf_generate_kwargs(ctx, gen)))
     n = _hf_new_tokens(out, ids.shape[1], ctx.tokenizer.eos_token_id)
     return RunStats(n, dt, n)
+
+
+# ---------------------------------------------------------------- speculative methods (issue: speculative sampling)
+
+GAMMA = 4  # draft tokens per step for sps / hf_assisted (tuned in notebook 01)
+LOOKUP_K, LOOKUP_NGRAM = 10, 2  # transformers' prompt lookup defaults: 10 tokens, 2-gram match
+
+
+def draft_model_for(ctx: BenchContext):
+    """The committed distilled draft for the bench target (built once per run)."""
+    if "draft_model" not in ctx.extras:
+        from .drafters.draft_model import load_draft_model
+        from .train import CKPT_DIR
+
+        ctx.extras["draft_model"], _ = load_draft_model(ctx.model, CKPT_DIR / "draft_model")
+    return ctx.extras["draft_model"]
+
+
+def _spec(ctx: BenchContext, ids, drafter, gen) -> RunStats:
+    from .decoding import speculative_generate
+
+    res, dt = _timed(lambda: speculative_generate(ctx.model, drafter, ids, max_new_tokens=ctx.max_new_tokens,
+                                                  sampling=ctx.sampling, generator=gen,
+                                                  eos_token_id=ctx.tokenizer.eos_token_id))
+    return RunStats(res.stats.new_tokens, dt, res.stats.target_forwards)
+
+
+@method("sps", "speculative sampling with the distilled draft model (data/checkpoints/draft_model), gamma=GAMMA")
+def _sps(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.draft_model import DraftModelDrafter
+
+    return _spec(ctx, ids, DraftModelDrafter(draft_model_for(ctx), gamma=GAMMA), gen)
+
+
+@method("pld", "prompt lookup decoding (n-gram copy from the context), our loop")
+def _pld(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.lookup import PromptLookupDrafter
+
+    return _spec(ctx, ids, PromptLookupDrafter(k=LOOKUP_K, max_ngram=LOOKUP_NGRAM), gen)
+
+
+@method("hf_assisted", "transformers assisted generation (assistant_model=) with the same draft and gamma")
+def _hf_assisted(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    draft = draft_model_for(ctx)
+    draft.generation_config.num_assistant_tokens = GAMMA
+    draft.generation_config.num_assistant_tokens_schedule = "constant"  # same fixed gamma as ours
+    draft.generation_config.assistant_confidence_threshold = 0.0  # no early exit: identical drafting policy
+    if gen is not None:
+        torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    out, dt = _timed(lambda: ctx.model.generate(ids, attention_mask=mask, assistant_model=draft,
+                                                **hf_generate_kwargs(ctx, gen)))
+    return RunStats(_hf_new_tokens(out, ids.shape[1], ctx.tokenizer.eos_token_id), dt, None)
+
+
+@method("hf_lookup", "transformers prompt lookup (prompt_lookup_num_tokens=10, max_matching_ngram_size=2)")
+def _hf_lookup(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    if gen is not None:
+        torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    out, dt = _timed(lambda: ctx.model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=LOOKUP_K,
+                                                max_matching_ngram_size=LOOKUP_NGRAM, **hf_generate_kwargs(ctx, gen)))
+    return RunStats(_hf_new_tokens(out, ids.shape[1], ctx.tokenizer.eos_token_id), dt, None)
 
 
 def machine_info() -> dict:
@@ -173,14 +234,17 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                 for acc in (tot[m], cat[(m, p.get("category", ""))]):
                     acc["new_tokens"] += s.new_tokens
                     acc["seconds"] += s.seconds
-                    acc["target_forwards"] += s.target_forwards
+                    if s.target_forwards is None:
+                        acc["target_forwards"] = None
+                    elif acc["target_forwards"] is not None:
+                        acc["target_forwards"] += s.target_forwards
                 bar.update(1)
     bar.close()
 
     def row(m, a, base):
         tps = a["new_tokens"] / a["seconds"] if a["seconds"] else 0.0
         return {"method": m, "tokens_per_s": round(tps, 2),
-                "tau": round(a["new_tokens"] / max(a["target_forwards"], 1), 3),
+                "tau": round(a["new_tokens"] / max(a["target_forwards"], 1), 3) if a["target_forwards"] is not None else None,
                 "speedup": round(tps / base, 3) if base else None,
                 "target_forwards": a["target_forwards"], "new_tokens": a["new_tokens"],
                 "seconds": round(a["seconds"], 3)}

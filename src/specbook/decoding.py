@@ -364,3 +364,107 @@ def speculative_generate(
     stats.draft_forwards = drafter.forwards - f0
     stats.new_tokens = len(new)
     return GenerateResult(tokens=[new], stats=stats)
+
+
+@torch.inference_mode()
+def speculative_generate_batch(
+    target,
+    drafters: list[Drafter],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int = 64,
+    sampling: SamplingConfig = SamplingConfig(),
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+) -> GenerateResult:
+    """Chain speculation for B rows at once, each row accepting a different number of tokens.
+
+    One drafter per row (its own cache); ONE batched target forward verifies all rows' drafts.
+    Instead of cropping a ragged cache, rejected draft slots stay in the target cache and are
+    masked out forever in the 2D attention mask ("holes"); each row keeps its own position ids.
+    Rows are verified independently, so each row's output is what it would get alone (exactly so
+    in greedy fp32 up to batched-matmul rounding).
+    """
+    from .verify import verify
+
+    B = input_ids.shape[0]
+    if len(drafters) != B:
+        raise ValueError(f"need one drafter per row: {B} rows, {len(drafters)} drafters")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not sampling.greedy and generator is None:
+        raise ValueError("sampling with temperature > 0 needs an explicit torch.Generator (generator=...)")
+    check_fits(target, input_ids, max_new_tokens)
+    if eos_token_id is None:
+        eos_token_id = target.config.eos_token_id
+    dev = input_ids.device
+    pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+    stats = SpecStats(rows=B)
+    cache = new_cache(target)
+    t0 = time.perf_counter()
+    logits, _ = prefill(target, input_ids, attention_mask, cache)
+    first = sample(probs_from(logits, sampling), generator).tolist()
+    stats.prefill_time = time.perf_counter() - t0
+    stats.target_forwards = 1
+    mask = attention_mask.clone()
+    valid = attention_mask.sum(-1).tolist()  # real tokens of each row in the cache
+    states, new = [], []
+    for r in range(B):
+        prompt = input_ids[r][attention_mask[r].bool()].tolist()
+        states.append(SpecState(tokens=prompt + [first[r]], prompt_len=len(prompt), sampling=sampling,
+                                generator=generator, target=target))
+        new.append([first[r]])
+        drafters[r].begin(states[r])
+    active = [max_new_tokens > 1 and first[r] != eos_token_id for r in range(B)]
+    while any(active):
+        t0 = time.perf_counter()
+        drafts = [drafters[r].propose(states[r]) if active[r] else None for r in range(B)]
+        t1 = time.perf_counter()
+        n_max = max(len(d) for d in drafts if d is not None)
+        block = torch.full((B, n_max + 1), pad, dtype=torch.long)
+        bmask = torch.zeros((B, n_max + 1), dtype=mask.dtype)
+        pos = torch.zeros((B, n_max + 1), dtype=torch.long)
+        for r, d in enumerate(drafts):
+            n = len(d) if d is not None else 0
+            block[r, 0] = states[r].tokens[-1]
+            if n:
+                block[r, 1:n + 1] = d.tokens
+            bmask[r, :n + 1] = 1  # finished rows still feed one harmless query (masked out afterwards)
+            pos[r] = valid[r] + torch.arange(n_max + 1)
+        mask = torch.cat([mask, bmask.to(dev)], dim=1)
+        out = target(input_ids=block.to(dev), attention_mask=mask, position_ids=pos.to(dev), past_key_values=cache,
+                     use_cache=True)
+        base = mask.shape[1] - (n_max + 1)
+        for r, d in enumerate(drafts):
+            if d is None:
+                mask[r, base:] = 0
+                continue
+            n = len(d)
+            res = verify(out.logits[r, :n + 1], d, sampling, generator)
+            k = res.n_accepted
+            mask[r, base + 1 + k:] = 0  # rejected and padded slots become holes
+            valid[r] += 1 + k
+            emitted = [int(d.tokens[i]) for i in res.path] + [res.next_token]
+            if eos_token_id in emitted:
+                emitted = emitted[: emitted.index(eos_token_id) + 1]
+            emitted = emitted[: max_new_tokens - len(new[r])]
+            states[r].tokens.extend(emitted)
+            new[r].extend(emitted)
+            drafters[r].update(states[r], d, res)
+            stats.drafted += n
+            stats.accept_hist[k] = stats.accept_hist.get(k, 0) + 1
+            for dd, ok in res.tested:
+                stats.pos_tested[dd] = stats.pos_tested.get(dd, 0) + 1
+                stats.pos_accepted[dd] = stats.pos_accepted.get(dd, 0) + int(ok)
+            if len(new[r]) >= max_new_tokens or new[r][-1] == eos_token_id:
+                active[r] = False
+        _sync(dev)
+        t2 = time.perf_counter()
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.step_times.append(t2 - t0)
+        stats.target_forwards += 1
+    stats.draft_forwards = sum(d.forwards for d in drafters)
+    stats.new_tokens = sum(len(x) for x in new)
+    return GenerateResult(tokens=new, stats=stats)
