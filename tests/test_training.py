@@ -147,3 +147,44 @@ def test_bad_train_config():
         TrainConfig(steps=0)
     with pytest.raises(ValueError, match="lr"):
         TrainConfig(lr=0)
+
+
+class ToyTok:
+    """Just enough tokenizer for corpus generation on the tiny model: characters -> ids 2..47."""
+
+    pad_token_id = 1
+    eos_token_id = 1
+
+    def apply_chat_template(self, msgs, **kw):
+        return [0] + [2 + (ord(c) % 46) for c in msgs[0]["content"]]
+
+    def __len__(self):
+        return 48
+
+
+def test_interrupted_generation_resumes_without_duplicates_or_gaps(tmp_path, tiny_target):
+    from specbook.corpus import CorpusSettings, generate_corpus
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": f"q{i}", "category": "toy", "turns": ["x" * (3 + i % 7) + str(i)]})
+                               + "\n" for i in range(10)))
+    s = CorpusSettings(target="tiny", prompts=str(prompts), max_new_tokens=6, batch=3, dtype="fp32", max_prompt_tokens=64)
+    kw = dict(limit=None, progress=False, model=tiny_target, tokenizer=ToyTok())
+    full = generate_corpus(s, tmp_path / "full", **kw)
+    assert generate_corpus(s, tmp_path / "resumed", stop_after=2, **kw) is None  # interrupted after 2 of 4 batches
+    assert not (tmp_path / "resumed" / "manifest.json").exists()
+    resumed = generate_corpus(s, tmp_path / "resumed", **kw)
+    a, b = load_corpus(tmp_path / "full"), load_corpus(tmp_path / "resumed")
+    assert full["records"] == resumed["records"] == 10
+    assert [r["question_id"] for r in a.records] == [r["question_id"] for r in b.records]
+    assert len({r["question_id"] for r in b.records}) == 10  # no duplicates, no gaps
+    assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+
+
+def test_empty_prompt_file_is_a_clear_error(tmp_path, tiny_target):
+    from specbook.corpus import CorpusSettings, generate_corpus
+
+    (tmp_path / "empty.jsonl").write_text("\n")
+    s = CorpusSettings(target="tiny", prompts=str(tmp_path / "empty.jsonl"), batch=2, dtype="fp32")
+    with pytest.raises(ValueError, match="no prompts"):
+        generate_corpus(s, tmp_path / "out", progress=False, model=tiny_target, tokenizer=ToyTok())

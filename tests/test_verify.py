@@ -1,6 +1,4 @@
 """Losslessness of the verification core: analytic (hypothesis) and statistical (tiny model, enumerable)."""
-import itertools
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -93,8 +91,11 @@ def test_bad_drafts_are_rejected():
 
 # --------------------------------------------------------------------------- statistical check on a tiny model
 
+from specbook.exactness import exact_first_two, logit_table, speculative_first_two, tv, tv_bound  # noqa: E402
+
 VOCAB = 12
 PROMPT = [0, 3, 7]
+N = 100_000
 
 
 @pytest.fixture(scope="module")
@@ -102,67 +103,15 @@ def tables():
     """Exact target (p) and draft (q) next-token logits for every prefix of length <= 2 after PROMPT."""
     tgt = tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=3)
     drf = tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=4)
-    prefixes = [()] + [(a,) for a in range(VOCAB)] + list(itertools.product(range(VOCAB), repeat=2))
-
-    def run(model):
-        out = {}
-        with torch.no_grad():
-            for L in (0, 1, 2):
-                group = [p for p in prefixes if len(p) == L]
-                ids = torch.tensor([PROMPT + list(p) for p in group])
-                logits = model(ids).logits[:, -1, :]
-                out.update({p: logits[i] for i, p in enumerate(group)})
-        return out
-
-    return run(tgt), run(drf)
-
-
-def exact_joint(p_logits, cfg):
-    """Exact distribution of the first two emitted tokens under the target: [V, V]."""
-    p1 = probs_from(p_logits[()], cfg)
-    j = torch.stack([p1[a] * probs_from(p_logits[(a,)], cfg) for a in range(VOCAB)])
-    return j.double()
-
-
-def spec_samples(p_logits, q_logits, cfg, n, seed, gamma=2):
-    """Draw (y1, y2) with one speculative step of gamma draft tokens (chain) from the root."""
-    g = make_generator(seed)
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    for _ in range(n):
-        prefix, toks, qs = (), [], []
-        for _ in range(gamma):
-            q = probs_from(q_logits[prefix], cfg)
-            x = int(torch.multinomial(q, 1, generator=g))
-            toks.append(x)
-            qs.append(q)
-            prefix = prefix + (x,)
-        rows = [p_logits[tuple(toks[:i])] for i in range(gamma + 1)] if gamma < 3 else None
-        res = verify(torch.stack(rows), DraftTree.chain(torch.tensor(toks), torch.stack(qs)), cfg, g)
-        out = [toks[i] for i in res.path] + [res.next_token]
-        if len(out) < 2:  # only a correction: the second token comes from the target itself
-            out.append(int(torch.multinomial(probs_from(p_logits[(out[0],)], cfg), 1, generator=g)))
-        counts[out[0], out[1]] += 1
-    return counts / n
-
-
-def tv(a, b):
-    return 0.5 * float((a - b).abs().sum())
-
-
-def tv_bound(p, n):
-    """1.5 x the expected TV of an n-sample empirical distribution of p: 0.5 * sum sqrt(p(1-p)/n)."""
-    return 1.5 * 0.5 * float(torch.sqrt(p * (1 - p) / n).sum())
-
-
-N = 100_000
+    return logit_table(tgt, PROMPT), logit_table(drf, PROMPT)
 
 
 @pytest.mark.parametrize("cfg", [SamplingConfig(0.5), SamplingConfig(1.0), SamplingConfig(1.0, top_p=0.8)],
                          ids=["T0.5", "T1", "T1-top_p0.8"])
 def test_speculative_sampling_is_lossless(tables, cfg):
     p_logits, q_logits = tables
-    exact = exact_joint(p_logits, cfg)
-    emp = spec_samples(p_logits, q_logits, cfg, N, seed=1)
+    exact = exact_first_two(p_logits, cfg)
+    emp = speculative_first_two(p_logits, q_logits, cfg, N, make_generator(1))
     d, b = tv(emp, exact), tv_bound(exact, N)
     print(f"TV={d:.4f} bound={b:.4f}")
     assert d < b, f"TV {d:.4f} >= bound {b:.4f}: speculative output is not distributed as the target"
@@ -173,8 +122,8 @@ def test_broken_sampler_fails_the_same_test(tables, monkeypatch):
     p_logits, q_logits = tables
     cfg = SamplingConfig(1.0)
     monkeypatch.setattr(V, "residual", lambda p, q: p)
-    exact = exact_joint(p_logits, cfg)
-    emp = spec_samples(p_logits, q_logits, cfg, N, seed=1)
+    exact = exact_first_two(p_logits, cfg)
+    emp = speculative_first_two(p_logits, q_logits, cfg, N, make_generator(1))
     print(f"broken: TV={tv(emp, exact):.4f} bound={tv_bound(exact, N):.4f}")
     assert tv(emp, exact) > 2 * tv_bound(exact, N)
 
@@ -195,5 +144,5 @@ def test_speculative_loop_end_to_end_matches_target(tables):
     for _ in range(n):
         y = speculative_generate(tgt, drafter, ids, max_new_tokens=2, sampling=cfg, generator=g, eos_token_id=-1).tokens[0]
         counts[y[0], y[1]] += 1
-    exact = exact_joint(p_logits, cfg)
+    exact = exact_first_two(p_logits, cfg)
     assert tv(counts / n, exact) < tv_bound(exact, n)

@@ -132,7 +132,7 @@ def _spec(ctx: BenchContext, ids, drafter, gen) -> RunStats:
 def _sps(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.draft_model import DraftModelDrafter
 
-    return _spec(ctx, ids, DraftModelDrafter(draft_model_for(ctx), gamma=GAMMA), gen)
+    return _spec(ctx, ids, DraftModelDrafter(draft_model_for(ctx), gamma=ctx.extras.get("gamma", GAMMA)), gen)
 
 
 @method("pld", "prompt lookup decoding (n-gram copy from the context), our loop")
@@ -145,7 +145,7 @@ def _pld(ctx: BenchContext, ids, mask, gen) -> RunStats:
 @method("hf_assisted", "transformers assisted generation (assistant_model=) with the same draft and gamma")
 def _hf_assisted(ctx: BenchContext, ids, mask, gen) -> RunStats:
     draft = draft_model_for(ctx)
-    draft.generation_config.num_assistant_tokens = GAMMA
+    draft.generation_config.num_assistant_tokens = ctx.extras.get("gamma", GAMMA)
     draft.generation_config.num_assistant_tokens_schedule = "constant"  # same fixed gamma as ours
     draft.generation_config.assistant_confidence_threshold = 0.0  # no early exit: identical drafting policy
     if gen is not None:
@@ -194,7 +194,7 @@ def _peak_mem_mb(device) -> float:
 def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smollm2-135m-instruct",
               dtype: str = "bf16", device: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int | None = None, repeats: int = 1, seed: int = 0,
-              progress: bool = True, model=None, tokenizer=None) -> dict:
+              progress: bool = True, model=None, tokenizer=None, extras: dict | None = None) -> dict:
     """Run ``methods`` interleaved over ``prompts``; return the JSON-ready result."""
     from tqdm.auto import tqdm
 
@@ -211,7 +211,8 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
     if model is None:
         model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    ctx = BenchContext(model=model, tokenizer=tokenizer, sampling=sampling, max_new_tokens=max_new_tokens)
+    ctx = BenchContext(model=model, tokenizer=tokenizer, sampling=sampling, max_new_tokens=max_new_tokens,
+                       extras=dict(extras or {}))
     encoded = [encode(tokenizer, p["turns"][0], max_new_tokens=max_new_tokens,
                       max_length=int(model.config.max_position_embeddings), device=model.device) for p in prompts]
     # warm-up: one short run of every method (allocations, thread pools, lazy state)
@@ -265,6 +266,7 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
         "settings": {"model": model_name, "dtype": str(model.dtype).replace("torch.", ""), "device": str(model.device),
                      "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                      "repeats": repeats, "prompts": len(prompts), "seed": seed, "methods": methods,
+                     "gamma": ctx.extras.get("gamma", GAMMA),
                      "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)"},
         "rows": rows,
         "by_category": by_cat,

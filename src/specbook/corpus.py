@@ -88,15 +88,23 @@ def tokenize_prompts(tokenizer, recs: list[dict], max_prompt_tokens: int) -> tup
 
 
 def generate_corpus(settings: CorpusSettings, out_dir: Path = CORPUS_DIR, limit: int | None = None,
-                    progress: bool = True) -> dict:
-    """Generate (or resume) and finalize the corpus. Returns the manifest."""
+                    progress: bool = True, model=None, tokenizer=None, stop_after: int | None = None) -> dict | None:
+    """Generate (or resume) and finalize the corpus. Returns the manifest.
+
+    ``model``/``tokenizer`` override loading ``settings.target`` (tests use a tiny model);
+    ``stop_after`` ends the run after that many new batches without finalizing (simulates an
+    interruption; returns None).
+    """
     from tqdm.auto import tqdm
 
     from .decoding import generate, pad_left
     from .models import fingerprint, load_model
     from .sampling import SamplingConfig
 
-    model, tok = load_model(settings.target, dtype=settings.dtype)
+    if model is None:
+        model, tok = load_model(settings.target, dtype=settings.dtype)
+    else:
+        tok = tokenizer
     fp = fingerprint(model)
     recs = load_prompts(settings.prompts, limit=limit)
     ctx = int(model.config.max_position_embeddings)
@@ -114,7 +122,7 @@ def generate_corpus(settings: CorpusSettings, out_dir: Path = CORPUS_DIR, limit:
     jobs = [(p, b) for p in range(settings.passes) for b in range(len(batches))]
     todo = [(p, b) for p, b in jobs if not (work / f"p{p}_b{b:05d}.npz").exists()]
     t_start = time.perf_counter()
-    made = 0
+    made = done_now = 0
     bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="corpus", unit="batch", disable=not progress)
     for p, b in todo:
         idx = batches[b]
@@ -131,6 +139,10 @@ def generate_corpus(settings: CorpusSettings, out_dir: Path = CORPUS_DIR, limit:
                          resp=np.concatenate(resp) if resp else np.zeros(0, np.int64))
         bar.update(1)
         bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t_start):.0f}")
+        done_now += 1
+        if stop_after is not None and done_now >= stop_after:
+            bar.close()
+            return None
     bar.close()
     gen_seconds = time.perf_counter() - t_start
     return finalize(settings, items, jobs, work, out_dir, fp, skipped, gen_seconds, tok)
@@ -215,6 +227,19 @@ class Corpus:
         """One hash for the whole corpus (of the per-file sha256s), keys the feature cache."""
         blob = json.dumps({f: self.manifest["files"][f]["sha256"] for f in FILES}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def subset(corpus: "Corpus", n: int, out_dir: Path) -> "Corpus":
+    """The first ``n`` records as a corpus of their own (quick runs: notebooks in FAST mode, smoke tests)."""
+    recs = []
+    for i in range(min(n, len(corpus))):
+        seq = corpus.sequence(i).tolist()
+        pl = corpus.prompt_len(i)
+        recs.append((seq[:pl], seq[pl:], corpus.records[i]))
+    m = corpus.manifest
+    write_corpus(out_dir, recs, vocab_size=65535 if corpus.tokens.dtype == np.uint16 else 1 << 31, target=m["target"],
+                 fingerprint=m["target_fingerprint"], settings={**m["settings"], "subset_of": corpus.sha, "n": n})
+    return load_corpus(out_dir)
 
 
 class CorpusError(RuntimeError):

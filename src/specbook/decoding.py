@@ -276,9 +276,14 @@ def speculative_generate(
     sampling: SamplingConfig = SamplingConfig(),
     generator: torch.Generator | None = None,
     eos_token_id: int | None = None,
+    trace: list | None = None,
 ) -> GenerateResult:
     """The one speculative loop (design.md). input_ids [1, L]; any Drafter; lossless when the
-    drafter's q is the distribution it sampled from (verify.py)."""
+    drafter's q is the distribution it sampled from (verify.py).
+
+    ``trace``: if a list is given, one dict per step is appended (draft tokens, accepted count,
+    next token, bonus?) — what notebook 01 colours.
+    """
     from .cache import crop_to, keep_positions
     from .tree import block_inputs
     from .verify import verify
@@ -349,6 +354,9 @@ def speculative_generate(
         state.tokens.extend(emitted)
         new.extend(emitted)
         drafter.update(state, draft, res)
+        if trace is not None:
+            trace.append({"draft": draft.tokens.tolist(), "parents": draft.parents.tolist(), "path": res.path,
+                          "next": res.next_token, "bonus": res.bonus, "emitted": emitted})
         _sync(dev)
         t2 = time.perf_counter()
         # stats

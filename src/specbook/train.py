@@ -86,6 +86,31 @@ def run(method: str, args) -> dict:
     return card
 
 
+def short_run(method: str, target, corpus, records: int = 32, steps: int = 20, workdir=None, progress: bool = False,
+              **objective_kw):
+    """Exercise the whole pipeline quickly (notebooks in FAST mode): a corpus subset -> its features ->
+    ``steps`` steps of the one loop. Returns (objective, TrainResult); nothing is written to data/."""
+    import tempfile
+
+    from .corpus import subset
+    from .features import load_or_build
+    from .training import TrainConfig, TrainData, train
+
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="specbook-short-"))
+    small = subset(corpus, records, workdir / "corpus")
+    _, layers, _ = METHODS[method]
+    store = load_or_build(target, small, layers, root=workdir / "features", progress=progress)
+    if method == "draft_model":
+        from .drafters.draft_model import DraftModelObjective
+
+        obj = DraftModelObjective(target, **objective_kw)
+    else:  # pragma: no cover - grows with METHODS
+        raise ValueError(method)
+    cfg = TrainConfig(steps=steps, batch=4, seq_len=128, warmup=2, eval_every=steps, ckpt_every=steps, eval_batches=1)
+    res = train(obj, TrainData(small, store, seq_len=cfg.seq_len), cfg, progress=progress)
+    return obj, res
+
+
 def _machine(torch) -> dict:
     import os
     import platform

@@ -195,7 +195,7 @@ def train(obj: Objective, data: TrainData, cfg: TrainConfig, run_dir: Path | Non
         opt.step()
         res.history.append({"step": step + 1, "loss": float(loss.detach()), "lr": lr_at(step, cfg), "grad_norm": float(gn),
                             **{k: float(v) for k, v in metrics.items()}})
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.set_postfix(loss=f"{res.history[-1]['loss']:.3f}")
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
             ev = _evaluate(obj, data, cfg, device)

@@ -74,3 +74,71 @@ def color_tokens(pieces: list[tuple[str, str]]) -> str:
         style = f"background:{colors.get(kind, 'transparent')};" + ("text-decoration:line-through;" if kind == "rejected" else "")
         spans.append(f'<span style="{style}" title="{kind}">{html.escape(text)}</span>')
     return '<div style="font-family:monospace;white-space:pre-wrap;line-height:1.6">' + "".join(spans) + "</div>"
+
+
+def trace_pieces(tokenizer, trace: list[dict], first_token: int | None = None) -> list[tuple[str, str]]:
+    """A speculative trace (decoding.speculative_generate(trace=[])) -> coloured pieces.
+
+    accepted draft tokens: green; the first rejected draft token: red, struck through;
+    the target's correction: blue; the bonus token after a fully accepted draft: yellow.
+    """
+    dec = lambda t: tokenizer.decode([t])  # noqa: E731
+    pieces = [(dec(first_token), "plain")] if first_token is not None else []
+    for step in trace:
+        path = step["path"]
+        for i in path:
+            pieces.append((dec(step["draft"][i]), "accepted"))
+        kids = [i for i, p in enumerate(step["parents"]) if p == (path[-1] if path else -1)]
+        if not step["bonus"] and kids:
+            pieces.append((dec(step["draft"][kids[0]]), "rejected"))
+        pieces.append((dec(step["next"]), "bonus" if step["bonus"] else "corrected"))
+    return pieces
+
+
+def legend_html() -> str:
+    return color_tokens([("accepted draft", "accepted"), (" ", "plain"), ("rejected draft", "rejected"), (" ", "plain"),
+                         ("target correction", "corrected"), (" ", "plain"), ("bonus", "bonus")])
+
+
+def sps_view(target, draft, tokenizer, prompt: str, gamma: int = 4, temperature: float = 0.0, max_new_tokens: int = 32,
+             seed: int = 0) -> tuple[str, dict]:
+    """Run SpS once on ``prompt`` and return (coloured HTML, stats) — the notebook 01 widget callback."""
+    from .decoding import encode, speculative_generate
+    from .drafters.draft_model import DraftModelDrafter
+    from .sampling import SamplingConfig, make_generator
+
+    ids, _ = encode(tokenizer, prompt, device=target.device)
+    trace: list = []
+    cfg = SamplingConfig(temperature=temperature)
+    res = speculative_generate(target, DraftModelDrafter(draft, gamma), ids, max_new_tokens=max_new_tokens,
+                               sampling=cfg, generator=None if cfg.greedy else make_generator(seed),
+                               eos_token_id=tokenizer.eos_token_id, trace=trace)
+    s = res.stats
+    info = {"gamma": gamma, "temperature": temperature, "tau": round(s.tau, 2), "target_forwards": s.target_forwards,
+            "new_tokens": s.new_tokens}
+    head = (f"<b>gamma={gamma}, T={temperature}</b>: {s.new_tokens} tokens in {s.target_forwards} target forwards "
+            f"(tau = {s.tau:.2f})<br>")
+    return head + legend_html() + color_tokens(trace_pieces(tokenizer, trace, res.tokens[0][0])), info
+
+
+def sps_widget(target, draft, tokenizer, prompt: str, gamma: int = 4, temperature: float = 0.0, max_new_tokens: int = 32):
+    """Sliders for gamma and temperature driving ``sps_view``."""
+    import ipywidgets as w
+    from IPython.display import HTML, display
+
+    g = w.IntSlider(value=gamma, min=1, max=10, description="gamma")
+    t = w.FloatSlider(value=temperature, min=0.0, max=1.5, step=0.1, description="temperature")
+    out = w.Output()
+
+    def redraw(*_):
+        with out:
+            out.clear_output(wait=True)
+            html_text, _ = sps_view(target, draft, tokenizer, prompt, g.value, t.value, max_new_tokens)
+            display(HTML(html_text))
+
+    for s in (g, t):
+        s.observe(redraw, names="value")
+    redraw()
+    box = w.VBox([w.HBox([g, t]), out])
+    display(box)
+    return box
