@@ -133,3 +133,21 @@ def test_batch_rows_equal_rows_alone(tiny, kind):
         alone = generate(tiny, *pad_left([p], 1), max_new_tokens=24, eos_token_id=-1).tokens[0]
         assert row == alone
     assert len(set(res.stats.accept_hist)) > 1, "rows should accept different lengths in this test"
+
+
+def test_reduced_draft_vocab_stays_lossless_and_greedy_exact(tiny):
+    """A draft restricted to a token subset: greedy output unchanged; q is zero outside the subset."""
+    ids, _ = pad_left([[0, 5, 9, 11]], 1)
+    sub = torch.arange(0, 48, 2)
+    ar = generate(tiny, ids, max_new_tokens=30, eos_token_id=-1).tokens[0]
+    d = DraftModelDrafter(tiny, 4, vocab=sub)
+    assert speculative_generate(tiny, d, ids, max_new_tokens=30, eos_token_id=-1).tokens[0] == ar
+    from specbook.decoding import SpecState
+
+    st = SpecState(tokens=[0, 5, 9], prompt_len=3, sampling=SamplingConfig(1.0), generator=make_generator(0), target=tiny)
+    d.begin(st)
+    tree = d.propose(st)
+    assert torch.all(tree.q[:, 1::2] == 0) and torch.allclose(tree.q.sum(-1), torch.ones(4))
+    assert all(int(x) % 2 == 0 for x in tree.tokens)
+    with pytest.raises(ValueError, match="vocab must be"):
+        DraftModelDrafter(tiny, 2, vocab=torch.tensor([0, 99]))

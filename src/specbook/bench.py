@@ -135,6 +135,26 @@ def _sps(ctx: BenchContext, ids, mask, gen) -> RunStats:
     return _spec(ctx, ids, DraftModelDrafter(draft_model_for(ctx), gamma=ctx.extras.get("gamma", GAMMA)), gen)
 
 
+DRAFT_VOCAB = 8192  # reduced draft output layer for sps_rv: the most frequent corpus response tokens
+
+
+def draft_vocab_for(ctx: BenchContext):
+    if "draft_vocab" not in ctx.extras:
+        from .corpus import load_corpus, top_tokens
+
+        ids, _ = top_tokens(load_corpus(), ctx.extras.get("draft_vocab_size", DRAFT_VOCAB))
+        ctx.extras["draft_vocab"] = torch.as_tensor(ids, dtype=torch.long)
+    return ctx.extras["draft_vocab"]
+
+
+@method("sps_rv", "sps with a reduced draft output layer (the DRAFT_VOCAB most frequent corpus tokens)")
+def _sps_rv(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.draft_model import DraftModelDrafter
+
+    drafter = DraftModelDrafter(draft_model_for(ctx), gamma=ctx.extras.get("gamma", GAMMA), vocab=draft_vocab_for(ctx))
+    return _spec(ctx, ids, drafter, gen)
+
+
 @method("pld", "prompt lookup decoding (n-gram copy from the context), our loop")
 def _pld(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.lookup import PromptLookupDrafter

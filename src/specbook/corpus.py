@@ -242,6 +242,16 @@ def subset(corpus: "Corpus", n: int, out_dir: Path) -> "Corpus":
     return load_corpus(out_dir)
 
 
+def top_tokens(corpus: "Corpus", n: int) -> tuple[np.ndarray, float]:
+    """The ``n`` most frequent response tokens (a reduced draft vocabulary) and the share of response
+    tokens they cover."""
+    counts = np.zeros(int(corpus.tokens.max()) + 1, dtype=np.int64)
+    for off, pl, rl in corpus.index:
+        np.add.at(counts, corpus.tokens[off + pl:off + pl + rl].astype(np.int64), 1)
+    order = np.argsort(-counts, kind="stable")[:n]
+    return np.sort(order), float(counts[order].sum() / max(counts.sum(), 1))
+
+
 class CorpusError(RuntimeError):
     pass
 

@@ -26,13 +26,29 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str = "target", dra
 
 
 class DraftModelDrafter(Drafter):
-    """gamma tokens per step from a small causal LM sharing the target's vocabulary."""
+    """gamma tokens per step from a small causal LM sharing the target's vocabulary.
 
-    def __init__(self, draft_model, gamma: int = 4):
+    ``vocab``: optional [Vd] target token ids the draft may propose (a reduced output layer, as in
+    EAGLE-3's d2t/t2d): only those rows of the LM head are computed, which cuts the draft's largest
+    cost for a small model with a 49k vocabulary. q is the softmax over that subset, scattered into
+    the full vocabulary (zero elsewhere) — still exactly the distribution the token was sampled
+    from, so verification stays lossless; tokens outside the subset are never proposed.
+    """
+
+    def __init__(self, draft_model, gamma: int = 4, vocab: torch.Tensor | None = None):
         if not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma (draft tokens per step) must be an int >= 1, got {gamma!r}")
         self.model = draft_model
         self.gamma = gamma
+        self.vocab = None
+        self.head = draft_model.get_output_embeddings().weight  # [V, H]
+        if vocab is not None:
+            V = self.head.shape[0]
+            vocab = torch.as_tensor(vocab, dtype=torch.long, device=self.head.device)
+            if vocab.ndim != 1 or len(vocab) < 1 or int(vocab.min()) < 0 or int(vocab.max()) >= V:
+                raise ValueError(f"vocab must be a 1-D list of token ids in [0, {V}), got shape {tuple(vocab.shape)}")
+            self.vocab = vocab
+            self.head = self.head.index_select(0, vocab).contiguous()  # [Vd, H]
         self.forwards = 0
         self.cache = None
         self.cached: list[int] = []  # tokens whose K/V are in self.cache
@@ -58,12 +74,17 @@ class DraftModelDrafter(Drafter):
         for _ in range(self.gamma):
             ids = torch.tensor([pending], device=dev)
             pos = torch.arange(len(self.cached), len(self.cached) + len(pending), device=dev)[None]
-            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
-                             logits_to_keep=1)
+            out = self.model.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
             self.forwards += 1
             self.cached.extend(pending)
-            q = probs_from(out.logits[0, -1], state.sampling)  # [V] float32, the distribution we sample from
-            x = int(sample(q, state.generator)) if not state.sampling.greedy else int(q.argmax())
+            logits = out.last_hidden_state[0, -1] @ self.head.T  # [V] or [Vd]
+            q = probs_from(logits, state.sampling)  # float32: the distribution we sample from
+            i = int(sample(q, state.generator)) if not state.sampling.greedy else int(q.argmax())
+            if self.vocab is not None:
+                x = int(self.vocab[i])
+                q = torch.zeros(self.model.config.vocab_size, device=q.device).index_copy_(0, self.vocab, q)
+            else:
+                x = i
             toks.append(x)
             qs.append(q)
             pending = [x]
