@@ -24,6 +24,16 @@ def test_dtype_and_device_resolution():
     cpu = torch.device("cpu")
     assert resolve_dtype(None, cpu) == torch.float32
     assert resolve_dtype("bf16", cpu) == torch.bfloat16
+    # "fast" = bf16 only where the CPU runs it natively (emulated bf16 is slower than fp32)
+    import specbook.models as M
+
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        orig = M.cpu_has_native_bf16
+        M.cpu_has_native_bf16 = lambda: native
+        try:
+            assert resolve_dtype("fast", cpu) == want
+        finally:
+            M.cpu_has_native_bf16 = orig
     with pytest.raises(ValueError, match="unsupported dtype"):
         resolve_dtype("int3", cpu)
     with pytest.raises(ValueError, match="unsupported dtype"):

@@ -184,6 +184,46 @@ def _hf_lookup(ctx: BenchContext, ids, mask, gen) -> RunStats:
     return RunStats(_hf_new_tokens(out, ids.shape[1], ctx.tokenizer.eos_token_id), dt, None)
 
 
+# ---------------------------------------------------------------- Medusa (issue: Medusa)
+
+MEDUSA_NODES = 8  # nodes of the sparse tree (tuned on this model in notebook 02 by measured tau x latency)
+
+
+def medusa_for(ctx: BenchContext):
+    """The committed Medusa heads, their vocabulary and the tree's choice paths (built once per run)."""
+    if "medusa" not in ctx.extras:
+        from .drafters.medusa import load_medusa, sparse_tree, rank_accuracy
+        from .train import CKPT_DIR
+
+        heads, vocab, card = load_medusa(ctx.model, CKPT_DIR / "medusa")
+        choices = ctx.extras.get("medusa_choices") or sparse_tree(rank_accuracy(card),
+                                                                   ctx.extras.get("medusa_nodes", MEDUSA_NODES))
+        ctx.extras["medusa"] = (heads, vocab, choices)
+    return ctx.extras["medusa"]
+
+
+def _medusa_run(ctx: BenchContext, ids, gen, acceptance: str) -> RunStats:
+    from .decoding import speculative_generate
+    from .drafters.medusa import MedusaDrafter
+
+    heads, vocab, choices = medusa_for(ctx)
+    drafter = MedusaDrafter(ctx.model, heads, choices, vocab=vocab)
+    res, dt = _timed(lambda: speculative_generate(ctx.model, drafter, ids, max_new_tokens=ctx.max_new_tokens,
+                                                  sampling=ctx.sampling, generator=gen, acceptance=acceptance,
+                                                  eos_token_id=ctx.tokenizer.eos_token_id))
+    return RunStats(res.stats.new_tokens, dt, res.stats.target_forwards)
+
+
+@method("medusa", "Medusa heads (data/checkpoints/medusa), sparse tree of MEDUSA_NODES, lossless tree verification")
+def _medusa(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    return _medusa_run(ctx, ids, gen, "exact")
+
+
+@method("medusa_typical", "Medusa with typical acceptance (LOSSY at temperature > 0; equals greedy at 0)")
+def _medusa_typical(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    return _medusa_run(ctx, ids, gen, "typical")
+
+
 def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
@@ -212,7 +252,7 @@ def _peak_mem_mb(device) -> float:
 
 
 def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smollm2-135m-instruct",
-              dtype: str = "bf16", device: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
+              dtype: str = "fast", device: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int | None = None, repeats: int = 1, seed: int = 0,
               progress: bool = True, model=None, tokenizer=None, extras: dict | None = None) -> dict:
     """Run ``methods`` interleaved over ``prompts``; return the JSON-ready result."""
@@ -287,6 +327,7 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                      "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                      "repeats": repeats, "prompts": len(prompts), "seed": seed, "methods": methods,
                      "gamma": ctx.extras.get("gamma", GAMMA),
+                     **({"medusa_choices": [list(c) for c in ctx.extras["medusa"][2]]} if "medusa" in ctx.extras else {}),
                      "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)"},
         "rows": rows,
         "by_category": by_cat,
@@ -313,7 +354,8 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32", "fp16", "auto"])
+    ap.add_argument("--dtype", default="fast", choices=["fast", "bf16", "fp32", "fp16", "auto"],
+                    help="fast (default): bf16 on GPU and on CPUs with native bf16 (AMX/AVX512-BF16), else fp32")
     ap.add_argument("--device", default=None)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)

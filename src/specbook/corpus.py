@@ -229,16 +229,19 @@ class Corpus:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def subset(corpus: "Corpus", n: int, out_dir: Path) -> "Corpus":
-    """The first ``n`` records as a corpus of their own (quick runs: notebooks in FAST mode, smoke tests)."""
+def subset(corpus: "Corpus", n: int, out_dir: Path, spread: bool = False) -> "Corpus":
+    """``n`` records as a corpus of their own: the first ``n`` (quick runs: notebooks in FAST mode, smoke
+    tests) or, with ``spread``, ``n`` evenly spaced records (every category; training on a slow machine)."""
     recs = []
-    for i in range(min(n, len(corpus))):
+    n = min(n, len(corpus))
+    picks = np.linspace(0, len(corpus) - 1, n).round().astype(int).tolist() if spread else range(n)
+    for i in picks:
         seq = corpus.sequence(i).tolist()
         pl = corpus.prompt_len(i)
         recs.append((seq[:pl], seq[pl:], corpus.records[i]))
     m = corpus.manifest
     write_corpus(out_dir, recs, vocab_size=65535 if corpus.tokens.dtype == np.uint16 else 1 << 31, target=m["target"],
-                 fingerprint=m["target_fingerprint"], settings={**m["settings"], "subset_of": corpus.sha, "n": n})
+                 fingerprint=m["target_fingerprint"], settings={**m["settings"], "subset_of": corpus.sha, "n": n, "spread": spread})
     return load_corpus(out_dir)
 
 

@@ -277,17 +277,23 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     eos_token_id: int | None = None,
     trace: list | None = None,
+    acceptance: str = "exact",
 ) -> GenerateResult:
     """The one speculative loop (design.md). input_ids [1, L]; any Drafter; lossless when the
     drafter's q is the distribution it sampled from (verify.py).
+
+    ``acceptance``: "exact" (greedy / lossless rejection, verify.verify) or "typical" — Medusa's typical
+    acceptance (verify.typical_accept), which is LOSSY: the output is no longer the target's distribution.
 
     ``trace``: if a list is given, one dict per step is appended (draft tokens, accepted count,
     next token, bonus?) — what notebook 01 colours.
     """
     from .cache import crop_to, keep_positions
     from .tree import block_inputs
-    from .verify import verify
+    from .verify import typical_accept, verify
 
+    if acceptance not in ("exact", "typical"):
+        raise ValueError(f"acceptance must be 'exact' (lossless) or 'typical' (Medusa, lossy), got {acceptance!r}")
     if input_ids.shape[0] != 1:
         raise ValueError("speculative_generate runs one sequence (batch 1); use speculative_generate_batch for B > 1")
     if max_new_tokens < 1:
@@ -338,7 +344,10 @@ def speculative_generate(
             out = target(input_ids=block, attention_mask=mask4d, position_ids=pos, past_key_values=cache,
                          use_cache=True, output_hidden_states=drafter.needs_hidden)
         # 3. verify: accepted path + correction/bonus
-        res = verify(out.logits[0], draft, sampling, generator)
+        if acceptance == "exact":
+            res = verify(out.logits[0], draft, sampling, generator)
+        else:  # lossy
+            res = typical_accept(out.logits[0], draft, sampling, generator=generator)
         # 4. keep only the accepted path in the target cache
         if draft.is_chain:
             crop_to(cache, past + 1 + res.n_accepted)

@@ -66,6 +66,48 @@ def speculative_first_two(p_logits: dict, q_logits: dict, cfg: SamplingConfig, n
     return counts / n
 
 
+def topk_tree(q_logits: dict, width: int = 2) -> DraftTree:
+    """A deterministic depth-2 tree of top-``width`` picks (Medusa / EAGLE style, one-hot q): the root's
+    children are the ``width`` best tokens of ``q_logits[()]``, each child a's children the best of
+    ``q_logits[(a,)]``."""
+    toks, parents = [], []
+    first = q_logits[()].topk(width).indices.tolist()
+    for a in first:
+        toks.append(a)
+        parents.append(-1)
+    for i, a in enumerate(first):
+        for b in q_logits[(a,)].topk(width).indices.tolist():
+            toks.append(b)
+            parents.append(i)
+    return DraftTree(torch.tensor(toks), torch.tensor(parents))
+
+
+def tree_first_two(p_logits: dict, tree: DraftTree, cfg: SamplingConfig, n: int, generator: torch.Generator,
+                   accept=None) -> torch.Tensor:
+    """Empirical joint [V, V] of the first two emitted tokens when ``tree`` (depth <= 2) is verified at the
+    root context; ``accept(p_rows, tree, cfg, generator)`` defaults to the lossless ``verify``."""
+    accept = accept or verify
+    V = p_logits[()].shape[0]
+    toks, par = tree.tokens.tolist(), tree.parents.tolist()
+
+    def path_of(i):
+        out = []
+        while i >= 0:
+            out.append(toks[i])
+            i = par[i]
+        return tuple(out[::-1])
+
+    rows = torch.stack([p_logits[()]] + [p_logits[path_of(i)] for i in range(len(toks))])
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    for _ in range(n):
+        res = accept(rows, tree, cfg, generator)
+        out = [toks[i] for i in res.path] + [res.next_token]
+        if len(out) < 2:
+            out.append(int(torch.multinomial(probs_from(p_logits[(out[0],)], cfg), 1, generator=generator)))
+        counts[out[0], out[1]] += 1
+    return counts / n
+
+
 def tv(a: torch.Tensor, b: torch.Tensor) -> float:
     """Total-variation distance 0.5 * sum |a - b|."""
     return 0.5 * float((a - b).abs().sum())

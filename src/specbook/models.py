@@ -116,14 +116,27 @@ _DTYPES = {
 }
 
 
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs with AMX or AVX512-BF16, where bf16 matmuls are fast; elsewhere (e.g. AVX2-only
+    machines) torch emulates bf16 and it is several times *slower* than float32."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None``/"auto": bf16 on GPU; float32 on CPU.
+    """``None``/"auto": bf16 on GPU; float32 on CPU. "fast": the speed dtype — bf16 on GPU and on CPUs
+    with native bf16 (``cpu_has_native_bf16``), float32 elsewhere (benchmarks and notebooks use it).
 
     Why float32 on CPU: it is exact (the parity and losslessness tests need it), every CPU runs
     it at full speed, and for a 135M model the weights still fit in cache-friendly sizes. bf16
     is faster on CPUs with AVX512-BF16/AMX (measured ~1.3x here, see the bench) and is what the
     speed benchmarks use, but it is opt-in: on CPUs without native bf16 it is emulated and slow.
     """
+    if dtype == "fast":
+        return torch.bfloat16 if device.type in ("cuda", "mps") or cpu_has_native_bf16() else torch.float32
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type in ("cuda", "mps") else torch.float32
     if isinstance(dtype, torch.dtype):
@@ -131,7 +144,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
             raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'")
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}, 'auto' or 'fast'")
     return _DTYPES[dtype]
 
 

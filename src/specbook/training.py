@@ -200,7 +200,8 @@ def train(obj: Objective, data: TrainData, cfg: TrainConfig, run_dir: Path | Non
         if done % cfg.eval_every == 0 or done == cfg.steps:
             ev = _evaluate(obj, data, cfg, device)
             res.evals.append({"step": done, **ev})
-            bar.write(f"[{obj.kind}] step {done}: " + " ".join(f"{k}={v:.3f}" for k, v in ev.items()))
+            bar.write(f"[{obj.kind}] step {done}: " + " ".join(f"{k}={v:.3f}" for k, v in ev.items()
+                                                              if not k.startswith("acc_")))
         if state_path and (done % cfg.ckpt_every == 0 or done == cfg.steps):
             state_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = state_path.with_suffix(".tmp")
@@ -214,15 +215,9 @@ def train(obj: Objective, data: TrainData, cfg: TrainConfig, run_dir: Path | Non
     return res
 
 
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def _autocast(device, mode: str):
+    from .models import cpu_has_native_bf16
+
     if mode == "off":
         return _null()
     if device.type == "cuda":

@@ -106,6 +106,14 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r / s if s > 1e-12 else p
 
 
+def residual_one_hot(p: torch.Tensor, x: int) -> torch.Tensor:
+    """norm(max(0, p - onehot(x))) = p with x removed, renormalised (a deterministic pick was rejected)."""
+    r = p.clone()
+    r[x] = 0
+    s = r.sum()
+    return r / s if s > 1e-12 else p
+
+
 def verify(p: torch.Tensor, draft: DraftTree, sampling: SamplingConfig, generator: torch.Generator | None = None,
            *, p_is_probs: bool = False) -> VerifyResult:
     """Verify one draft against target scores ``p`` [N + 1, V]: row 0 = root, row i + 1 = node i.
@@ -168,11 +176,8 @@ def verify(p: torch.Tensor, draft: DraftTree, sampling: SamplingConfig, generato
             if ok:
                 nxt = c
                 break
-            if qc is None:  # one-hot q: remove x and renormalise
-                cur = cur.clone()
-                cur[x] = 0
-                s = cur.sum()
-                cur = cur / s if s > 1e-12 else P[node + 1]
+            if qc is None:  # one-hot q: the residual removes x and renormalises
+                cur = residual_one_hot(cur, x)
             else:
                 cur = residual(cur, qc)
         if nxt is None:

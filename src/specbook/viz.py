@@ -142,3 +142,122 @@ def sps_widget(target, draft, tokenizer, prompt: str, gamma: int = 4, temperatur
     box = w.VBox([w.HBox([g, t]), out])
     display(box)
     return box
+
+
+# --------------------------------------------------------------------------- token trees (notebook 02)
+
+
+def plot_tree(ax, parents, labels: list[str] | None = None, root_label: str = "root", highlight: list[int] = ()):
+    """Draw a draft tree (parents array, -1 = root) left to right by depth; ``highlight`` = an accepted path."""
+    import torch
+
+    from .tree import depths
+
+    parents = torch.as_tensor(parents)
+    d = depths(parents).tolist() if len(parents) else []
+    p = parents.tolist()
+    # y: leaves get consecutive rows, inner nodes the mean of their children
+    kids: dict[int, list[int]] = {}
+    for i, par in enumerate(p):
+        kids.setdefault(par, []).append(i)
+    y: dict[int, float] = {}
+    nxt = [0.0]
+
+    def place(n):
+        if n not in kids:
+            y[n] = nxt[0]
+            nxt[0] += 1
+        else:
+            for c in kids[n]:
+                place(c)
+            y[n] = sum(y[c] for c in kids[n]) / len(kids[n])
+
+    place(-1)
+    xy = {-1: (0, y[-1]), **{i: (d[i] + 1, y[i]) for i in range(len(p))}}
+    hl = set(highlight)
+    for i, par in enumerate(p):
+        (x0, y0), (x1, y1) = xy[par], xy[i]
+        on = i in hl and (par < 0 or par in hl)
+        ax.plot([x0, x1], [y0, y1], color="C2" if on else "0.6", lw=2.5 if on else 1, zorder=1)
+    for n, (x, yy) in xy.items():
+        text = root_label if n < 0 else (labels[n] if labels else str(n))
+        ax.text(x, yy, text, ha="center", va="center", fontsize=8, zorder=2,
+                bbox=dict(boxstyle="round,pad=0.25", fc="#c8f7c5" if n in hl else ("#eee" if n >= 0 else "#ffd27f"),
+                          ec="0.4"))
+    ax.set_xlim(-0.6, max(d, default=0) + 1.6)
+    ax.set_ylim(max(y.values()) + 0.8, -0.8)
+    ax.set_xticks(range(max(d, default=0) + 2), ["root"] + [f"depth {i}" for i in range(max(d, default=0) + 1)])
+    ax.set_yticks([])
+    for s in ("top", "right", "left"):
+        ax.spines[s].set_visible(False)
+
+
+def plot_tree_mask(ax, parents):
+    """The tree-attention mask over [root] + nodes (white = may attend)."""
+    import torch
+
+    from .tree import ancestor_mask
+
+    m = ancestor_mask(torch.as_tensor(parents))
+    ax.imshow(~m, cmap="gray", interpolation="nearest")
+    n = m.shape[0]
+    ax.set_xticks(range(n), ["r"] + [str(i) for i in range(n - 1)], fontsize=7)
+    ax.set_yticks(range(n), ["r"] + [str(i) for i in range(n - 1)], fontsize=7)
+    ax.set_xlabel("key (node)")
+    ax.set_ylabel("query (node)")
+
+
+def medusa_view(target, heads, vocab, acc, tokenizer, prompt: str, n_nodes: int = 8, top_k: int = 4,
+                max_new_tokens: int = 32) -> tuple[object, dict]:
+    """Build the sparse tree of ``n_nodes`` from the heads' rank accuracies ``acc`` restricted to the top ``top_k``
+    ranks, decode ``prompt`` greedily with it, and draw the first step's tree — the notebook 02 widget callback.
+    Returns (figure, stats)."""
+    import matplotlib.pyplot as plt
+
+    from .decoding import encode, speculative_generate
+    from .drafters.medusa import MedusaDrafter, sparse_tree
+
+    choices = sparse_tree([row[:top_k] for row in acc], n_nodes)
+    drafter = MedusaDrafter(target, heads, choices, vocab=vocab)
+    ids, _ = encode(tokenizer, prompt, device=target.device)
+    trace: list = []
+    res = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, trace=trace,
+                               eos_token_id=tokenizer.eos_token_id)
+    s = res.stats
+    step = max(trace, key=lambda t: len(t["path"])) if trace else None
+    fig, ax = plt.subplots(figsize=(7, max(2.0, 0.28 * len(choices))))
+    if step:
+        plot_tree(ax, step["parents"], [repr(tokenizer.decode([t]))[1:-1][:10] for t in step["draft"]],
+                  highlight=step["path"])
+        ax.set_title(f"the step that accepted the most ({len(step['path'])} of {len(choices)} nodes), "
+                     "accepted path in green", fontsize=9)
+    info = {"n_nodes": len(choices), "top_k": top_k, "depth": max(len(c) for c in choices), "tau": round(s.tau, 2),
+            "target_forwards": s.target_forwards, "new_tokens": s.new_tokens}
+    return fig, info
+
+
+def medusa_widget(target, heads, vocab, acc, tokenizer, prompt: str, n_nodes: int = 8, top_k: int = 4,
+                  max_new_tokens: int = 32):
+    """Sliders for tree size and top-k driving ``medusa_view``."""
+    import ipywidgets as w
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    n = w.IntSlider(value=n_nodes, min=1, max=32, description="tree nodes")
+    k = w.IntSlider(value=top_k, min=1, max=len(acc[0]), description="top-k")
+    out = w.Output()
+
+    def redraw(*_):
+        with out:
+            out.clear_output(wait=True)
+            fig, info = medusa_view(target, heads, vocab, acc, tokenizer, prompt, n.value, k.value, max_new_tokens)
+            print(info)
+            display(fig)
+            plt.close(fig)
+
+    for s in (n, k):
+        s.observe(redraw, names="value")
+    redraw()
+    box = w.VBox([w.HBox([n, k]), out])
+    display(box)
+    return box

@@ -1,0 +1,298 @@
+"""Medusa (Cai et al. 2024, arXiv 2401.10774): extra decoding heads on the target's last hidden state.
+
+Head k (k = 1..K) reads the target's final hidden state h_t at position t — the same vector the
+target's LM head turns into p(x_{t+1}) — and guesses x_{t+1+k}. In our loop the newest committed
+token x_{t+1} was just sampled from the target, so at each step:
+
+    h = state.target_hidden[-1]                 the target's hidden state that produced the newest token
+    z_k = h + SiLU(W_k h)                       one ResBlock per head, W_k zero-initialised (so z_k = h at start)
+    logits_k = z_k @ E_sub^T                    the target's LM head rows for the head vocabulary
+    tree: node at depth d takes the c-th best token of head d + 1 (a Medusa "choice" path)
+
+All candidates are verified at once with tree attention (tree.py) and the shared verification core
+(verify.py): lossless recursive rejection, or Medusa's *lossy* typical acceptance.
+
+Deviations from the paper, and why:
+- The LM head is the target's, shared by all heads and frozen (Medusa-1 gives every head its own
+  LM head, initialised from the target's). A per-head LM head for SmolLM2 is 49,152 x 576 = 28M
+  parameters (57 MB in bf16), over the project's 25 MB checkpoint budget per drafter; the ResBlocks
+  alone are 0.33M parameters per head.
+- Heads compute only the rows of the ``vocab`` most frequent corpus tokens (default 8,192, ~97% of
+  response tokens, see corpus.top_tokens): K full 49k-row matmuls per step would cost almost as much
+  as the 135M target itself on a CPU. Proposals are deterministic top-k picks (one-hot q), so
+  verification stays exact whatever the vocabulary.
+- Training is self-distillation (the paper's recipe for models whose SFT data is unavailable): soft
+  cross-entropy to the target's own distribution at position t + k over the head vocabulary, head
+  k weighted by ``decay ** (k - 1)`` (the paper uses 0.8 ** k).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..decoding import Drafter, SpecState
+from ..verify import DraftTree
+
+
+# --------------------------------------------------------------------------- heads
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W zero-initialised: an untrained head starts as the identity."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K ResBlocks; the (frozen, shared) LM head lives outside so the checkpoint holds only these."""
+
+    def __init__(self, hidden: int, n_heads: int = 4):
+        super().__init__()
+        if not isinstance(n_heads, int) or n_heads < 1:
+            raise ValueError(f"n_heads must be an int >= 1, got {n_heads!r}")
+        self.blocks = nn.ModuleList(ResBlock(hidden) for _ in range(n_heads))
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.blocks)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] -> z [K, ..., H] (head k's input to the LM head)."""
+        return torch.stack([b(h) for b in self.blocks])
+
+
+# --------------------------------------------------------------------------- trees
+
+
+def tree_from_choices(choices: list[tuple[int, ...]]) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    """Medusa choice paths -> (nodes in topological order, parents [N]).
+
+    A choice (c_1, ..., c_d) is the node reached by taking head 1's c_1-th best token, then head 2's
+    c_2-th best, ...; every prefix of a choice must itself be a choice (its parent).
+    """
+    nodes = sorted({tuple(int(x) for x in c) for c in choices}, key=lambda c: (len(c), c))
+    if not nodes:
+        raise ValueError("a tree needs at least one choice path")
+    index = {c: i for i, c in enumerate(nodes)}
+    parents = []
+    for c in nodes:
+        if not c or min(c) < 0:
+            raise ValueError(f"choice {c} must be a non-empty tuple of ranks >= 0")
+        if len(c) > 1 and c[:-1] not in index:
+            raise ValueError(f"choice {c} has no parent: {c[:-1]} is missing from the tree spec")
+        parents.append(index[c[:-1]] if len(c) > 1 else -1)
+    return nodes, torch.tensor(parents, dtype=torch.long)
+
+
+def chain_choices(depth: int) -> list[tuple[int, ...]]:
+    """The top-1 chain of ``depth`` nodes: (0,), (0, 0), ..."""
+    return [(0,) * d for d in range(1, depth + 1)]
+
+
+def sparse_tree(acc: list[list[float]], n_nodes: int) -> list[tuple[int, ...]]:
+    """Medusa's sparse tree: the ``n_nodes`` choice paths with the highest estimated acceptance.
+
+    ``acc[k][c]`` = measured probability that head k + 1's c-th best token is the right one; a path's
+    acceptance is estimated as the product along it (heads treated as independent, as in the paper).
+    Greedy best-first expansion from the root keeps the result a valid tree.
+    """
+    if n_nodes < 1:
+        raise ValueError(f"n_nodes must be >= 1, got {n_nodes}")
+    K, C = len(acc), len(acc[0])
+    chosen: list[tuple[int, ...]] = []
+    frontier = {(c,): acc[0][c] for c in range(C)}
+    while frontier and len(chosen) < n_nodes:
+        best = max(frontier, key=lambda c: (frontier[c], [-x for x in c]))
+        score = frontier.pop(best)
+        chosen.append(best)
+        if len(best) < K:
+            for c in range(C):
+                frontier[best + (c,)] = score * acc[len(best)][c]
+    return chosen
+
+
+# --------------------------------------------------------------------------- drafter
+
+
+class MedusaDrafter(Drafter):
+    """Proposes the tree ``choices`` from the Medusa heads' top-k tokens (one-hot q: lossless verify).
+
+    heads   MedusaHeads on the target's device/dtype
+    vocab   [Vd] target token ids the heads may propose (None = the full vocabulary)
+    choices Medusa choice paths (see tree_from_choices); depth <= number of heads
+    """
+
+    needs_hidden = True
+
+    def __init__(self, target, heads: MedusaHeads, choices: list[tuple[int, ...]], vocab: torch.Tensor | None = None):
+        self.nodes, self.parents = tree_from_choices(choices)
+        depth = max(len(c) for c in self.nodes)
+        if depth > heads.n_heads:
+            raise ValueError(f"the tree is {depth} deep but there are only {heads.n_heads} Medusa heads; "
+                             "drop the deeper choices or train more heads")
+        W = target.get_output_embeddings().weight  # [V, H]
+        V = W.shape[0]
+        if vocab is not None:
+            vocab = torch.as_tensor(vocab, dtype=torch.long, device=W.device)
+            if vocab.ndim != 1 or len(vocab) < 1 or int(vocab.min()) < 0 or int(vocab.max()) >= V:
+                raise ValueError(f"vocab must be a 1-D list of token ids in [0, {V})")
+            W = W.index_select(0, vocab)
+        self.topk = max(c[-1] for c in self.nodes) + 1
+        if self.topk > W.shape[0]:
+            raise ValueError(f"the tree asks for the top-{self.topk} tokens of a head but the head vocabulary has "
+                             f"only {W.shape[0]}")
+        p = next(heads.parameters())
+        if p.device != W.device:
+            raise ValueError(f"Medusa heads are on {p.device} but the target is on {W.device}; move both to one device")
+        self.heads, self.W, self.vocab, self.depth = heads.eval(), W.contiguous(), vocab, depth
+        # for each node: (head index, rank)
+        self._head = torch.tensor([len(c) - 1 for c in self.nodes])
+        self._rank = torch.tensor([c[-1] for c in self.nodes])
+        self.forwards = 0
+
+    @torch.inference_mode()
+    def propose(self, state: SpecState) -> DraftTree:
+        h = state.target_hidden[-1].to(self.W.dtype)  # [H]: produced the newest committed token
+        z = torch.stack([b(h) for b in self.heads.blocks[: self.depth]])  # [D, H]
+        logits = z @ self.W.T  # [D, Vd]
+        top = logits.topk(self.topk, dim=-1).indices  # [D, topk]
+        tok = top[self._head.to(top.device), self._rank.to(top.device)]  # [N]
+        if self.vocab is not None:
+            tok = self.vocab[tok]
+        self.forwards += 1
+        return DraftTree(tok.cpu(), self.parents)
+
+
+# --------------------------------------------------------------------------- training objective
+
+
+class MedusaObjective:
+    """Medusa-1 self-distillation: frozen target, heads learn p_target(x_{t+1+k} | x_{<=t+k}).
+
+    Teacher at position t + k = softmax over the head vocabulary of the target's cached final hidden
+    state through its LM head; the student (head k at position t) is trained with soft cross-entropy.
+    """
+
+    kind = "medusa"
+
+    def __init__(self, target, n_heads: int = 4, vocab: torch.Tensor | None = None, decay: float = 0.8,
+                 feature_index: int = 0):
+        W = target.get_output_embeddings().weight.detach()
+        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long)
+        self.W = (W if self.vocab is None else W.index_select(0, self.vocab.to(W.device))).float()  # [Vd, H] frozen
+        self.W_full = W.float()
+        self.heads = MedusaHeads(W.shape[1], n_heads).to(W.device).float()
+        self.module = self.heads
+        self.decay, self.fi = decay, feature_index
+
+    def _pairs(self, batch):
+        """Per head k: (student input h_t [M, H], teacher feature f_{t+k} [M, H])."""
+        f = batch.feats[:, :, self.fi, :]  # [B, S, H]
+        out = []
+        for k in range(1, self.heads.n_heads + 1):
+            m = batch.mask[:, :-k] & batch.mask[:, k:]  # both positions predict response tokens in the window
+            out.append((f[:, :-k][m], f[:, k:][m]))
+        return out
+
+    def loss(self, batch):
+        total, metrics, norm = 0.0, {}, 0.0
+        W = self.W
+        for k, (h, ft) in enumerate(self._pairs(batch), start=1):
+            if h.shape[0] == 0:
+                continue
+            z = self.heads.blocks[k - 1](h.to(W.dtype))
+            q_logits = z @ W.T.to(z.dtype)
+            with torch.no_grad():
+                p = torch.softmax((ft.to(W.dtype) @ W.T).float(), -1)
+            ce = -(p * torch.log_softmax(q_logits.float(), -1)).sum(-1).mean()
+            w = self.decay ** (k - 1)
+            total = total + w * ce
+            norm += w
+            metrics[f"top1_h{k}"] = float((q_logits.argmax(-1) == p.argmax(-1)).float().mean())
+        return total / max(norm, 1e-9), metrics
+
+    def evaluate(self, batch, topk: int = 10):
+        """Per head: top-1 and top-``topk`` accuracy against the target's full-vocabulary argmax, and the
+        rank histogram (acc_h{k}_r{c} = P(the c-th best head token is the target's argmax)) the sparse
+        tree is built from."""
+        res = {}
+        for k, (h, ft) in enumerate(self._pairs(batch), start=1):
+            if h.shape[0] == 0:
+                continue
+            z = self.heads.blocks[k - 1](h.to(self.W.dtype))
+            q_logits = z @ self.W.T.to(z.dtype)
+            want = (ft.to(self.W_full.dtype) @ self.W_full.T).argmax(-1)  # [M] in the full vocabulary
+            top = q_logits.topk(topk, -1).indices
+            if self.vocab is not None:
+                top = self.vocab.to(top.device)[top]
+            hit = top == want[:, None]  # [M, topk]
+            res[f"top1_h{k}"] = float(hit[:, 0].float().mean())
+            res[f"top{topk}_h{k}"] = float(hit.any(-1).float().mean())
+            for c in range(topk):
+                res[f"acc_h{k}_r{c}"] = float(hit[:, c].float().mean())
+        res["mean_top1"] = sum(res[f"top1_h{k}"] for k in range(1, self.heads.n_heads + 1) if f"top1_h{k}" in res) \
+            / self.heads.n_heads
+        return res
+
+    def card_config(self) -> dict:
+        return {"n_heads": self.heads.n_heads, "decay": self.decay,
+                "vocab_size": None if self.vocab is None else int(len(self.vocab))}
+
+    def state(self) -> dict:
+        st = dict(self.heads.state_dict())
+        if self.vocab is not None:
+            st["vocab"] = self.vocab.to(torch.int64)
+        return st
+
+
+def rank_accuracy(card: dict) -> list[list[float]]:
+    """acc[k][c] from a checkpoint card's held-out evaluation (what sparse_tree needs)."""
+    ev = card["heldout"]
+    K = card["config"]["n_heads"]
+    C = max(int(key.rsplit("_r", 1)[1]) for key in ev if key.startswith("acc_h1_r")) + 1
+    return [[ev[f"acc_h{k}_r{c}"] for c in range(C)] for k in range(1, K + 1)]
+
+
+def load_medusa(target, path) -> tuple[MedusaHeads, torch.Tensor | None, dict]:
+    """Heads (on the target's device and dtype), their vocabulary and the card; refuses a checkpoint for
+    another target or a corrupt file (training.load_checkpoint)."""
+    from ..training import CheckpointError, load_checkpoint
+
+    state, card = load_checkpoint(path, target=target, kind="medusa")
+    vocab = state.pop("vocab", None)
+    W = target.get_output_embeddings().weight
+    heads = MedusaHeads(W.shape[1], int(card["config"]["n_heads"]))
+    try:
+        heads.load_state_dict(state)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: weights do not match {card['config']['n_heads']} Medusa heads of width "
+                              f"{W.shape[1]} ({e})") from e
+    heads.to(device=W.device, dtype=W.dtype).eval()
+    return heads, (None if vocab is None else vocab.to(W.device)), card
+
+
+def all_choices(depth: int, width: int) -> list[tuple[int, ...]]:
+    """The full tree of ``width`` children per node down to ``depth`` (for small illustrations)."""
+    return [c for d in range(1, depth + 1) for c in itertools.product(range(width), repeat=d)]
+
+
+@dataclass
+class MedusaSpec:
+    """A named tree for the bench and the notebook: ``n_nodes`` of the sparse tree built from the
+    checkpoint's measured rank accuracies."""
+
+    n_nodes: int = 8
+
+    def choices(self, card: dict) -> list[tuple[int, ...]]:
+        return sparse_tree(rank_accuracy(card), self.n_nodes)
