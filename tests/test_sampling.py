@@ -74,7 +74,8 @@ def test_probs_are_a_distribution_and_never_sample_filtered(logits, t, k, p):
     probs = logits_to_probs(logits, temperature=t, top_k=k, top_p=p)
     assert torch.all(probs >= 0) and abs(float(probs.sum()) - 1) < 1e-5
     assert probs[logits.argmax()] > 0  # the most likely token always survives
-    if k:
-        assert int((probs > 0).sum()) <= max(k, int((logits == logits.max()).sum()))
+    if k:  # ties with the k-th largest logit are kept (as transformers' TopKLogitsWarper does)
+        kth = logits.sort(descending=True).values[min(k, len(logits)) - 1]
+        assert int((probs > 0).sum()) <= int((logits >= kth).sum())
     toks = sample(probs.expand(50, -1), make_generator(0))
     assert torch.all(probs[toks] > 0)

@@ -49,7 +49,8 @@ def validate(temperature: float, top_k: int | None, top_p: float) -> None:
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Set all but the k largest logits to -inf.  logits [..., V] -> [..., V]."""
+    """Set all but the k largest logits to -inf (ties with the k-th are kept, as in transformers).
+    logits [..., V] -> [..., V]."""
     if not k or k >= logits.shape[-1]:
         return logits
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]  # [..., 1]
