@@ -155,7 +155,7 @@ def test_objective_learns_and_checkpoint_round_trip(tmp_path, tiny):
         feats = tiny(tokens, output_hidden_states=True).hidden_states[-1][:, :, None, :]
     batch = Batch(tokens, feats, torch.ones(4, 16, dtype=torch.bool))
     opt = torch.optim.AdamW(obj.module.parameters(), lr=1e-2)
-    first = float(obj.loss(batch)[0])
+    first = float(obj.loss(batch)[0].detach())
     for _ in range(60):
         loss, _ = obj.loss(batch)
         opt.zero_grad()
