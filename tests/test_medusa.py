@@ -5,7 +5,7 @@ import torch
 from specbook import verify as V
 from specbook.drafters.medusa import (MedusaDrafter, MedusaHeads, MedusaObjective, all_choices, chain_choices,
                                       load_medusa, rank_accuracy, sparse_tree, tree_from_choices)
-from specbook.exactness import exact_first_two, logit_table, topk_tree, tree_first_two, tv, tv_bound
+from specbook.exactness import exact_first_two, logit_table, loop_first_two, topk_tree, tree_first_two, tv, tv_bound
 from specbook.models import tiny_llama
 from specbook.sampling import SamplingConfig, make_generator
 from specbook.tree import ancestor_mask, leaf_paths
@@ -99,7 +99,6 @@ def test_typical_acceptance_is_flagged_and_measured_lossy(tables):
 
 def test_medusa_loop_end_to_end_matches_target(tables):
     """The whole loop with a Medusa drafter (hidden states, tree attention, cache compaction) at T=1."""
-    from specbook.decoding import speculative_generate
 
     p_logits, _ = tables
     cfg = SamplingConfig(1.0)
@@ -109,14 +108,10 @@ def test_medusa_loop_end_to_end_matches_target(tables):
     for b in heads.blocks:  # random (not identity) heads so the tree is not trivial
         torch.nn.init.normal_(b.linear.weight, std=0.5)
     drafter = MedusaDrafter(tgt, heads, [(0,), (1,), (0, 0), (0, 1), (1, 0)])
-    g, n = make_generator(7), 2500
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    ids = torch.tensor([PROMPT])
-    for _ in range(n):
-        y = speculative_generate(tgt, drafter, ids, max_new_tokens=2, sampling=cfg, generator=g, eos_token_id=-1).tokens[0]
-        counts[y[0], y[1]] += 1
+    n = 2500
+    emp = loop_first_two(tgt, drafter, PROMPT, cfg, n, make_generator(7))
     exact = exact_first_two(p_logits, cfg)
-    assert tv(counts / n, exact) < tv_bound(exact, n)
+    assert tv(emp, exact) < tv_bound(exact, n)
 
 
 def test_medusa_greedy_equals_ar_on_tiny_model(tiny):

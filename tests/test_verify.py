@@ -91,7 +91,7 @@ def test_bad_drafts_are_rejected():
 
 # --------------------------------------------------------------------------- statistical check on a tiny model
 
-from specbook.exactness import exact_first_two, logit_table, speculative_first_two, tv, tv_bound  # noqa: E402
+from specbook.exactness import exact_first_two, logit_table, loop_first_two, speculative_first_two, tv, tv_bound  # noqa: E402
 
 VOCAB = 12
 PROMPT = [0, 3, 7]
@@ -130,19 +130,13 @@ def test_broken_sampler_fails_the_same_test(tables, monkeypatch):
 
 def test_speculative_loop_end_to_end_matches_target(tables):
     """The whole loop (prefill, draft model, caches, verify) on the tiny pair: first two tokens ~ target."""
-    from specbook.decoding import speculative_generate
     from specbook.drafters.draft_model import DraftModelDrafter
 
     p_logits, _ = tables
     cfg = SamplingConfig(1.0)
     tgt = tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=3)
     drafter = DraftModelDrafter(tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=4), gamma=3)
-    g = make_generator(2)
     n = 3000
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    ids = torch.tensor([PROMPT])
-    for _ in range(n):
-        y = speculative_generate(tgt, drafter, ids, max_new_tokens=2, sampling=cfg, generator=g, eos_token_id=-1).tokens[0]
-        counts[y[0], y[1]] += 1
+    emp = loop_first_two(tgt, drafter, PROMPT, cfg, n, make_generator(2))
     exact = exact_first_two(p_logits, cfg)
-    assert tv(counts / n, exact) < tv_bound(exact, n)
+    assert tv(emp, exact) < tv_bound(exact, n)

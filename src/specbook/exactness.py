@@ -108,6 +108,21 @@ def tree_first_two(p_logits: dict, tree: DraftTree, cfg: SamplingConfig, n: int,
     return counts / n
 
 
+def loop_first_two(target, drafter, prompt: list[int], cfg: SamplingConfig, n: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Empirical joint [V, V] of the first two tokens from ``n`` runs of the whole speculative loop."""
+    from .decoding import speculative_generate
+
+    V = target.config.vocab_size
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    ids = torch.tensor([prompt])
+    for _ in range(n):
+        y = speculative_generate(target, drafter, ids, max_new_tokens=2, sampling=cfg, generator=generator,
+                                 eos_token_id=-1).tokens[0]
+        counts[y[0], y[1]] += 1
+    return counts / n
+
+
 def tv(a: torch.Tensor, b: torch.Tensor) -> float:
     """Total-variation distance 0.5 * sum |a - b|."""
     return 0.5 * float((a - b).abs().sum())
