@@ -119,11 +119,11 @@ def draft_model_for(ctx: BenchContext):
     return ctx.extras["draft_model"]
 
 
-def _spec(ctx: BenchContext, ids, drafter, gen) -> RunStats:
+def _spec(ctx: BenchContext, ids, drafter, gen, acceptance: str = "exact") -> RunStats:
     from .decoding import speculative_generate
 
     res, dt = _timed(lambda: speculative_generate(ctx.model, drafter, ids, max_new_tokens=ctx.max_new_tokens,
-                                                  sampling=ctx.sampling, generator=gen,
+                                                  sampling=ctx.sampling, generator=gen, acceptance=acceptance,
                                                   eos_token_id=ctx.tokenizer.eos_token_id))
     return RunStats(res.stats.new_tokens, dt, res.stats.target_forwards)
 
@@ -203,15 +203,10 @@ def medusa_for(ctx: BenchContext):
 
 
 def _medusa_run(ctx: BenchContext, ids, gen, acceptance: str) -> RunStats:
-    from .decoding import speculative_generate
     from .drafters.medusa import MedusaDrafter
 
     heads, vocab, choices = medusa_for(ctx)
-    drafter = MedusaDrafter(ctx.model, heads, choices, vocab=vocab)
-    res, dt = _timed(lambda: speculative_generate(ctx.model, drafter, ids, max_new_tokens=ctx.max_new_tokens,
-                                                  sampling=ctx.sampling, generator=gen, acceptance=acceptance,
-                                                  eos_token_id=ctx.tokenizer.eos_token_id))
-    return RunStats(res.stats.new_tokens, dt, res.stats.target_forwards)
+    return _spec(ctx, ids, MedusaDrafter(ctx.model, heads, choices, vocab=vocab), gen, acceptance)
 
 
 @method("medusa", "Medusa heads (data/checkpoints/medusa), sparse tree of MEDUSA_NODES, lossless tree verification")
