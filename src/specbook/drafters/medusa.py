@@ -29,7 +29,6 @@ Deviations from the paper, and why:
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -285,14 +284,3 @@ def load_medusa(target, path) -> tuple[MedusaHeads, torch.Tensor | None, dict]:
 def all_choices(depth: int, width: int) -> list[tuple[int, ...]]:
     """The full tree of ``width`` children per node down to ``depth`` (for small illustrations)."""
     return [c for d in range(1, depth + 1) for c in itertools.product(range(width), repeat=d)]
-
-
-@dataclass
-class MedusaSpec:
-    """A named tree for the bench and the notebook: ``n_nodes`` of the sparse tree built from the
-    checkpoint's measured rank accuracies."""
-
-    n_nodes: int = 8
-
-    def choices(self, card: dict) -> list[tuple[int, ...]]:
-        return sparse_tree(rank_accuracy(card), self.n_nodes)
