@@ -219,6 +219,47 @@ def _medusa_typical(ctx: BenchContext, ids, mask, gen) -> RunStats:
     return _medusa_run(ctx, ids, gen, "typical")
 
 
+# ---------------------------------------------------------------- EAGLE (issue: EAGLE-1 / EAGLE-2)
+
+# Tree settings tuned on this model in notebook 03 (section 5): see the search there.
+EAGLE_NODES = 8  # eagle: static tree of EAGLE_NODES nodes (sparse tree from the head's rank accuracies)
+EAGLE_DEPTH, EAGLE_TOPK = 5, 4  # eagle2: drafting depth and children per expanded node
+EAGLE2_TOTAL = "auto"  # eagle2: nodes kept per step; "auto" = from the target's latency curve, measured in this run
+
+
+def eagle_for(ctx: BenchContext):
+    """The committed EAGLE head, its vocabulary and card (+ the target's latency curve for "auto")."""
+    if "eagle" not in ctx.extras:
+        from .drafters.eagle import load_eagle
+        from .roofline import profile_latency_vs_k
+        from .train import CKPT_DIR
+
+        head, vocab, card = load_eagle(ctx.model, CKPT_DIR / "eagle")
+        latency = profile_latency_vs_k(ctx.model, ks=(1, 2, 4, 8, 16, 32, 64), context=256, repeats=3)
+        ctx.extras["eagle"] = (head, vocab, card, latency)
+    return ctx.extras["eagle"]
+
+
+@method("eagle", "EAGLE-1 head (data/checkpoints/eagle), static tree of EAGLE_NODES, lossless tree verification")
+def _eagle(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.eagle import EagleDrafter, static_tree
+
+    head, vocab, card, _ = eagle_for(ctx)
+    choices = static_tree(card, ctx.extras.get("eagle_nodes", EAGLE_NODES), depth=ctx.extras.get("eagle_depth", EAGLE_DEPTH))
+    return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=choices), gen)
+
+
+@method("eagle2", "EAGLE-2 dynamic tree (EAGLE_DEPTH, EAGLE_TOPK, EAGLE2_TOTAL nodes) on the same head, lossless")
+def _eagle2(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.eagle import EagleDrafter
+
+    head, vocab, _, latency = eagle_for(ctx)
+    drafter = EagleDrafter(ctx.model, head, vocab, depth=ctx.extras.get("eagle_depth", EAGLE_DEPTH),
+                           top_k=ctx.extras.get("eagle_topk", EAGLE_TOPK),
+                           total_tokens=ctx.extras.get("eagle2_total", EAGLE2_TOTAL), latency=latency)
+    return _spec(ctx, ids, drafter, gen)
+
+
 def machine_info() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
@@ -323,6 +364,11 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                      "repeats": repeats, "prompts": len(prompts), "seed": seed, "methods": methods,
                      "gamma": ctx.extras.get("gamma", GAMMA),
                      **({"medusa_choices": [list(c) for c in ctx.extras["medusa"][2]]} if "medusa" in ctx.extras else {}),
+                     **({"eagle": {"nodes": ctx.extras.get("eagle_nodes", EAGLE_NODES),
+                                   "depth": ctx.extras.get("eagle_depth", EAGLE_DEPTH),
+                                   "top_k": ctx.extras.get("eagle_topk", EAGLE_TOPK),
+                                   "eagle2_total": ctx.extras.get("eagle2_total", EAGLE2_TOTAL),
+                                   "latency_s": ctx.extras["eagle"][3]}} if "eagle" in ctx.extras else {}),
                      "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)"},
         "rows": rows,
         "by_category": by_cat,

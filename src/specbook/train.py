@@ -2,6 +2,7 @@
 
     python -m specbook.train draft_model [--steps 600 --batch 8 --seq-len 256 --lr 1e-3]
     python -m specbook.train medusa [--heads 4 --vocab 8192 ...]
+    python -m specbook.train eagle [--vocab 8192 --noise 0.1 ...]
 
 Reads the committed self-distilled corpus (data/corpus), builds/reuses the target's feature
 cache, trains, and writes ``data/checkpoints/<method>.{safetensors,json}`` — but only replaces an
@@ -40,9 +41,20 @@ def _medusa(target, args, corpus=None):
     return MedusaObjective(target, n_heads=args.heads, vocab=vocab)
 
 
+def _eagle(target, args, corpus=None):
+    from .corpus import load_corpus, top_tokens
+    from .drafters.eagle import EagleObjective
+
+    vocab = None
+    if args.vocab:
+        vocab, _ = top_tokens(corpus if corpus is not None else load_corpus(Path(args.corpus)), args.vocab)
+    return EagleObjective(target, vocab=vocab, noise=args.noise)
+
+
 # name -> (objective factory, cached layers, the held-out metric that decides replacement)
 METHODS = {"draft_model": (_draft_model, (-1,), "alpha_T1"),
-           "medusa": (_medusa, (-1,), "mean_top1")}
+           "medusa": (_medusa, (-1,), "mean_top1"),
+           "eagle": (_eagle, (-1,), "mean_top1")}
 
 
 def run(method: str, args) -> dict:
@@ -111,12 +123,13 @@ def short_run(method: str, target, corpus, records: int = 32, steps: int = 20, w
     ``steps`` steps of the one loop. Returns (objective, TrainResult); nothing is written to data/."""
     import tempfile
 
-    from .corpus import subset
+    from .corpus import load_corpus, subset
     from .features import load_or_build
     from .training import TrainConfig, TrainData, train
 
     workdir = Path(workdir or tempfile.mkdtemp(prefix="specbook-short-"))
-    small = subset(corpus, records, workdir / "corpus")
+    cdir = workdir / "corpus"  # a second run in the same workdir reuses its corpus slice and features
+    small = load_corpus(cdir) if (cdir / "manifest.json").exists() else subset(corpus, records, cdir)
     _, layers, _ = METHODS[method]
     store = load_or_build(target, small, layers, root=workdir / "features", progress=progress)
     if method == "draft_model":
@@ -127,10 +140,15 @@ def short_run(method: str, target, corpus, records: int = 32, steps: int = 20, w
         from .drafters.medusa import MedusaObjective
 
         obj = MedusaObjective(target, **objective_kw)
+    elif method == "eagle":
+        from .drafters.eagle import EagleObjective
+
+        obj = EagleObjective(target, **objective_kw)
     else:  # pragma: no cover - grows with METHODS
         raise ValueError(method)
     cfg = TrainConfig(steps=steps, batch=4, seq_len=128, warmup=2, eval_every=steps, ckpt_every=steps, eval_batches=1)
     res = train(obj, TrainData(small, store, seq_len=cfg.seq_len), cfg, progress=progress)
+    obj.workdir = workdir
     return obj, res
 
 
@@ -159,8 +177,9 @@ def main(argv=None):
     ap.add_argument("--records", type=int, default=0,
                     help="train on N evenly spaced corpus records (0 = all); the card records the subset's sha")
     ap.add_argument("--heads", type=int, default=4, help="medusa: number of heads K")
+    ap.add_argument("--noise", type=float, default=0.1, help="eagle: uniform noise amplitude on input features")
     ap.add_argument("--vocab", type=int, default=8192,
-                    help="medusa: head vocabulary = the N most frequent corpus tokens (0 = full vocabulary)")
+                    help="medusa / eagle: head vocabulary = the N most frequent corpus tokens (0 = full vocabulary)")
     ap.add_argument("--out", default=None, help="checkpoint path without suffix (default data/checkpoints/METHOD)")
     ap.add_argument("--force", action="store_true", help="replace the checkpoint even if held-out acceptance is worse")
     ap.add_argument("--fresh", action="store_true", help="ignore a resumable state from an interrupted run")

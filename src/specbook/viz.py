@@ -121,27 +121,43 @@ def sps_view(target, draft, tokenizer, prompt: str, gamma: int = 4, temperature:
     return head + legend_html() + color_tokens(trace_pieces(tokenizer, trace, res.tokens[0][0])), info
 
 
-def sps_widget(target, draft, tokenizer, prompt: str, gamma: int = 4, temperature: float = 0.0, max_new_tokens: int = 32):
-    """Sliders for gamma and temperature driving ``sps_view``."""
+def slider_widget(sliders: dict, render):
+    """One widget shape for every notebook: ``sliders`` {name: ipywidgets slider}; on any change,
+    ``render(**values)`` runs and its output (HTML string, or (figure, info)) replaces the previous one."""
     import ipywidgets as w
+    import matplotlib.pyplot as plt
     from IPython.display import HTML, display
 
-    g = w.IntSlider(value=gamma, min=1, max=10, description="gamma")
-    t = w.FloatSlider(value=temperature, min=0.0, max=1.5, step=0.1, description="temperature")
     out = w.Output()
 
     def redraw(*_):
         with out:
             out.clear_output(wait=True)
-            html_text, _ = sps_view(target, draft, tokenizer, prompt, g.value, t.value, max_new_tokens)
-            display(HTML(html_text))
+            r = render(**{k: s.value for k, s in sliders.items()})
+            if isinstance(r, str):
+                display(HTML(r))
+            else:
+                fig, info = r
+                print(info)
+                display(fig)
+                plt.close(fig)
 
-    for s in (g, t):
-        s.observe(redraw, names="value")
+    for sl in sliders.values():
+        sl.observe(redraw, names="value")
     redraw()
-    box = w.VBox([w.HBox([g, t]), out])
+    box = w.VBox([w.HBox(list(sliders.values())), out])
     display(box)
     return box
+
+
+def sps_widget(target, draft, tokenizer, prompt: str, gamma: int = 4, temperature: float = 0.0, max_new_tokens: int = 32):
+    """Sliders for gamma and temperature driving ``sps_view``."""
+    import ipywidgets as w
+
+    return slider_widget(
+        {"gamma": w.IntSlider(value=gamma, min=1, max=10, description="gamma"),
+         "temperature": w.FloatSlider(value=temperature, min=0.0, max=1.5, step=0.1, description="temperature")},
+        lambda gamma, temperature: sps_view(target, draft, tokenizer, prompt, gamma, temperature, max_new_tokens)[0])
 
 
 # --------------------------------------------------------------------------- token trees (notebook 02)
@@ -240,24 +256,63 @@ def medusa_widget(target, heads, vocab, acc, tokenizer, prompt: str, n_nodes: in
                   max_new_tokens: int = 32):
     """Sliders for tree size and top-k driving ``medusa_view``."""
     import ipywidgets as w
+
+    return slider_widget(
+        {"n_nodes": w.IntSlider(value=n_nodes, min=1, max=32, description="tree nodes"),
+         "top_k": w.IntSlider(value=top_k, min=1, max=len(acc[0]), description="top-k")},
+        lambda n_nodes, top_k: medusa_view(target, heads, vocab, acc, tokenizer, prompt, n_nodes, top_k, max_new_tokens))
+
+
+# --------------------------------------------------------------------------- EAGLE (notebook 03)
+
+
+def eagle_view(target, head, vocab, tokenizer, prompt: str, depth: int = 5, top_k: int = 4, total_tokens: int = 16,
+               max_new_tokens: int = 32) -> tuple[object, dict]:
+    """EAGLE-2's dynamic tree for ``prompt``: decode greedily with (depth, top_k, total_tokens) and draw the step
+    that accepted the most, node labels = token and draft confidence — the notebook 03 widget callback."""
     import matplotlib.pyplot as plt
-    from IPython.display import display
 
-    n = w.IntSlider(value=n_nodes, min=1, max=32, description="tree nodes")
-    k = w.IntSlider(value=top_k, min=1, max=len(acc[0]), description="top-k")
-    out = w.Output()
+    from .decoding import encode, speculative_generate
+    from .drafters.eagle import EagleDrafter
 
-    def redraw(*_):
-        with out:
-            out.clear_output(wait=True)
-            fig, info = medusa_view(target, heads, vocab, acc, tokenizer, prompt, n.value, k.value, max_new_tokens)
-            print(info)
-            display(fig)
-            plt.close(fig)
+    total_tokens = max(total_tokens, depth)
+    drafter = EagleDrafter(target, head, vocab, depth=depth, top_k=top_k, total_tokens=total_tokens)
+    ids, _ = encode(tokenizer, prompt, device=target.device)
+    trace: list = []
+    conf: list = []
+    orig = drafter.propose
 
-    for s in (n, k):
-        s.observe(redraw, names="value")
-    redraw()
-    box = w.VBox([w.HBox([n, k]), out])
-    display(box)
-    return box
+    def propose(state):  # keep each step's confidences for the labels
+        t = orig(state)
+        conf.append(t.confidence.tolist())
+        return t
+
+    drafter.propose = propose
+    res = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, trace=trace,
+                               eos_token_id=tokenizer.eos_token_id)
+    s = res.stats
+    i = max(range(len(trace)), key=lambda j: len(trace[j]["path"])) if trace else None
+    fig, ax = plt.subplots(figsize=(8, max(2.0, 0.3 * total_tokens)))
+    if i is not None:
+        step = trace[i]
+        labels = [f"{repr(tokenizer.decode([t]))[1:-1][:8]} {c:.2f}" for t, c in zip(step["draft"], conf[i])]
+        plot_tree(ax, step["parents"], labels, highlight=step["path"])
+        ax.set_title(f"EAGLE-2 tree (depth {depth}, top_k {top_k}, {len(step['draft'])} nodes): the step that accepted "
+                     f"the most ({len(step['path'])}), accepted path in green; labels = token, draft confidence",
+                     fontsize=9)
+    info = {"depth": depth, "top_k": top_k, "total_tokens": total_tokens, "tau": round(s.tau, 2),
+            "target_forwards": s.target_forwards, "new_tokens": s.new_tokens}
+    return fig, info
+
+
+def eagle_widget(target, head, vocab, tokenizer, prompt: str, depth: int = 5, top_k: int = 4, total_tokens: int = 16,
+                 max_new_tokens: int = 32):
+    """Sliders for depth, top_k and total_tokens driving ``eagle_view``."""
+    import ipywidgets as w
+
+    return slider_widget(
+        {"depth": w.IntSlider(value=depth, min=1, max=8, description="depth"),
+         "top_k": w.IntSlider(value=top_k, min=1, max=8, description="top_k"),
+         "total_tokens": w.IntSlider(value=total_tokens, min=1, max=64, description="total_tokens")},
+        lambda depth, top_k, total_tokens: eagle_view(target, head, vocab, tokenizer, prompt, depth, top_k,
+                                                      total_tokens, max_new_tokens))

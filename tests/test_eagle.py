@@ -1,0 +1,225 @@
+"""EAGLE / EAGLE-2: dynamic tree builder, losslessness, greedy parity, draft-cache consistency, checkpoints."""
+import math
+
+import pytest
+import torch
+
+from specbook.decoding import generate, speculative_generate
+from specbook.drafters.eagle import (EagleDrafter, EagleHead, EagleObjective, auto_size, grow_dynamic, load_eagle,
+                                     select_nodes, static_tree)
+from specbook.exactness import exact_first_two, logit_table, loop_first_two, tv, tv_bound
+from specbook.models import tiny_llama
+from specbook.sampling import SamplingConfig, make_generator
+
+# --------------------------------------------------------------------------- the dynamic tree, by hand
+
+# child distributions of a node, by the node's token (4-token vocabulary)
+CHILD = {0: [.05, .7, .16, .09], 1: [.5, .3, .1, .1]}
+
+
+def test_grow_dynamic_hand_computed():
+    """depth 3, top_k 2. Pool (token, score): A=0 .6, B=1 .3 | A1=1 .42, A2=2 .096, B0=0 .15, B1=1 .09
+    -> frontier A1, B0 | A1: 0 .21, 1 .126; B0: 1 .105, 2 .024. Top 5 = A, A1, B, A1-0, B0."""
+    seen = []
+
+    def expand(pool, frontier):
+        seen.append([pool.tok[j] for j in frontier])
+        return torch.log(torch.tensor([CHILD[pool.tok[j]] for j in frontier]))
+
+    pool = grow_dynamic(torch.log(torch.tensor([.6, .3, .06, .04])), expand, depth=3, top_k=2)
+    assert seen == [[0, 1], [1, 0]]  # depth 1 expands A, B; depth 2 expands A1, B0 (not A2 .096 or B1 .09)
+    assert pool.tok == [0, 1, 1, 2, 0, 1, 0, 1, 1, 2]
+    assert pool.par == [-1, -1, 0, 0, 1, 1, 2, 2, 4, 4]
+    want = [.6, .3, .42, .096, .15, .09, .21, .126, .105, .024]
+    assert [math.exp(s) for s in pool.score] == pytest.approx(want)
+    tree = pool.tree(5)  # A, B, A1, B0, A1-0 (by depth)
+    assert tree.tokens.tolist() == [0, 1, 1, 0, 0]
+    assert tree.parents.tolist() == [-1, -1, 0, 1, 2]
+    assert tree.confidence.tolist() == pytest.approx([.6, .3, .42, .15, .21])
+    assert len(pool.tree(100)) == 10
+
+
+def test_select_nodes_keeps_ancestors_on_ties():
+    assert select_nodes([0.0, 0.0, 0.0], [-1, 0, 1], 2) == [0, 1]
+    assert select_nodes([-0.1, -0.2, -0.2, -0.3], [-1, 0, -1, 1], 3) == [0, 1, 2]
+    with pytest.raises(ValueError, match="total_tokens"):
+        select_nodes([0.0], [-1], 0)
+
+
+def test_auto_size_uses_the_latency_curve():
+    lat = {1: 1.0, 2: 1.0, 4: 1.1, 8: 2.0}
+    # (1 + .9) / 1.0 = 1.9; (1 + 1.7) / lat(3) = 2.7 / 1.05 = 2.57; 2.8 / 1.1 = 2.55; 2.85 / 1.325 = 2.15
+    assert auto_size([.9, .8, .1, .05], lat, 64) == 2
+    assert auto_size([.9, .8, .1, .05], {1: 1.0, 64: 1.0}, 64) == 4  # free verification: keep everything
+    assert auto_size([.9, .8, .1, .05], lat, 1) == 1
+
+
+def test_static_tree_from_rank_accuracy():
+    card = {"heldout": {"acc_r0": 0.6, "acc_r1": 0.2}, "config": {}}
+    # per depth the same rank accuracies: (0)=.6 (0,0)=.36 (1)=.2 (0,0,0)=.216 ...
+    assert static_tree(card, 4, depth=3) == [(0,), (0, 0), (0, 0, 0), (1,)]
+
+
+# --------------------------------------------------------------------------- the drafter on a tiny model
+
+VOCAB, PROMPT = 12, [0, 3, 7]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    tgt = tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=3)
+    torch.manual_seed(0)
+    head = EagleHead(tgt.config).eval()
+    return tgt, head
+
+
+def _drafters(tgt, head):
+    return {"dynamic": EagleDrafter(tgt, head, depth=3, top_k=2, total_tokens=5),
+            "static": EagleDrafter(tgt, head, choices=[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),
+            "auto": EagleDrafter(tgt, head, depth=3, top_k=3, total_tokens="auto", latency={1: 1.0, 4: 1.2, 16: 2.0})}
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_eagle_loop_is_lossless_at_T1(tiny_pair, kind):
+    """The whole loop (features, tree attention in draft and target, both caches) at T=1 matches the
+    target's exact joint distribution of the first two tokens."""
+    tgt, head = tiny_pair
+    cfg = SamplingConfig(1.0)
+    n = 2500
+    emp = loop_first_two(tgt, _drafters(tgt, head)[kind], PROMPT, cfg, n, make_generator(11))
+    exact = exact_first_two(logit_table(tgt, PROMPT), cfg)
+    d, b = tv(emp, exact), tv_bound(exact, n)
+    print(f"{kind}: TV={d:.4f} bound={b:.4f}")
+    assert d < b
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "auto"])
+def test_eagle_greedy_equals_ar_on_tiny_model(tiny_pair, kind):
+    tgt, head = tiny_pair
+    drafter = _drafters(tgt, head)[kind]
+    for seed in range(3):
+        ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(seed))
+        ar = generate(tgt, ids, max_new_tokens=20, eos_token_id=-1).tokens[0]
+        sp = speculative_generate(tgt, drafter, ids, max_new_tokens=20, eos_token_id=-1)
+        assert sp.tokens[0] == ar
+
+
+class _CheckedDrafter(EagleDrafter):
+    """After every catch-up, the draft cache must equal a from-scratch recomputation over the committed
+    tokens with the target's features."""
+
+    checks = 0
+
+    def _catch_up(self, state):
+        out = super()._catch_up(state)
+        n = self.n_cached
+        toks = torch.tensor([state.tokens[: n + 1]])
+        with torch.no_grad():
+            feats = state.target(toks[:, :n], output_hidden_states=True).hidden_states[-1]  # f_0..f_{n-1}
+            from transformers import DynamicCache
+
+            ref = DynamicCache(config=self.head.model.config)
+            f = self.head(self.E(toks[:, 1:]), feats, position_ids=torch.arange(n)[None], cache=ref)
+        k_ours, k_ref = self.cache.layers[0].keys, ref.layers[0].keys
+        assert k_ours.shape == k_ref.shape, (k_ours.shape, k_ref.shape)
+        torch.testing.assert_close(k_ours, k_ref, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(self.cache.layers[0].values, ref.layers[0].values, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(out, f[0, -1], atol=1e-5, rtol=1e-4)
+        type(self).checks += 1
+        return out
+
+
+def test_draft_cache_equals_recomputation(tiny_pair):
+    tgt, head = tiny_pair
+    drafter = _CheckedDrafter(tgt, head, depth=3, top_k=2, total_tokens=6)
+    ids = torch.tensor([[1, 4, 2, 9]])
+    speculative_generate(tgt, drafter, ids, max_new_tokens=24, eos_token_id=-1)
+    speculative_generate(tgt, drafter, ids, max_new_tokens=16, sampling=SamplingConfig(1.0),
+                         generator=make_generator(2), eos_token_id=-1)
+    assert _CheckedDrafter.checks >= 8
+
+
+def test_bad_input(tiny_pair):
+    tgt, head = tiny_pair
+    with pytest.raises(ValueError, match="total_tokens"):
+        EagleDrafter(tgt, head, depth=4, total_tokens=3)
+    with pytest.raises(ValueError, match="top_k"):
+        EagleDrafter(tgt, head, top_k=0)
+    with pytest.raises(ValueError, match="depth"):
+        EagleDrafter(tgt, head, depth=0)
+    with pytest.raises(ValueError, match="latency"):
+        EagleDrafter(tgt, head, total_tokens="auto")
+    with pytest.raises(ValueError, match="top_k 13"):
+        EagleDrafter(tgt, head, top_k=13, total_tokens=16)
+    wide = tiny_llama(vocab_size=VOCAB, hidden_size=64, seed=3)
+    with pytest.raises(ValueError, match="another target"):
+        EagleDrafter(wide, head)
+
+
+# --------------------------------------------------------------------------- training + checkpoints
+
+def test_objective_learns_and_checkpoint_checks(tmp_path, tiny):
+    from specbook.models import fingerprint
+    from specbook.training import Batch, CheckpointError, save_checkpoint
+
+    obj = EagleObjective(tiny, vocab=torch.arange(0, tiny.config.vocab_size, 2))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, tiny.config.vocab_size, (4, 16), generator=g)
+    with torch.no_grad():
+        feats = tiny(tokens, output_hidden_states=True).hidden_states[-1][:, :, None, :]
+    batch = Batch(tokens, feats, torch.ones(4, 16, dtype=torch.bool))
+    opt = torch.optim.AdamW(obj.module.parameters(), lr=3e-3)
+    first = float(obj.loss(batch)[0].detach())
+    for _ in range(60):
+        loss, m = obj.loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss) < 0.7 * first
+    ev = obj.evaluate(batch, topk=3)
+    assert {"top1", "top3", "acc_r2", "top1_step2", "mean_top1"} <= set(ev)
+
+    card = {"kind": "eagle", "config": obj.card_config(), "target": "tiny", "target_fingerprint": fingerprint(tiny),
+            "heldout": ev}
+    save_checkpoint(tmp_path / "e", obj.state(), card, dtype=torch.float32)
+    head, vocab, _ = load_eagle(tiny, tmp_path / "e")
+    assert torch.equal(vocab, obj.vocab)
+    x = torch.randn(1, 3, tiny.config.hidden_size)
+    torch.testing.assert_close(head(x, x), obj.head.eval()(x, x))
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        load_eagle(tiny_llama(seed=9), tmp_path / "e")
+    # a head trained for another layer count / architecture, with a matching fingerprint
+    card_bad = {**card, "config": {**card["config"], "num_hidden_layers_target": 30}}
+    save_checkpoint(tmp_path / "e2", obj.state(), card_bad, dtype=torch.float32)
+    with pytest.raises(CheckpointError, match="EAGLE head for"):
+        load_eagle(tiny, tmp_path / "e2")
+    st = tmp_path / "e.safetensors"
+    st.write_bytes(st.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_eagle(tiny, tmp_path / "e")
+
+
+# --------------------------------------------------------------------------- the real model
+
+@pytest.mark.slow
+def test_real_model_eagle_greedy_equals_ar(real):
+    """Greedy EAGLE (committed head; static tree and EAGLE-2's dynamic tree) emits exactly our AR loop's
+    tokens in fp32, and the head really drafts accepted tokens."""
+    from specbook import bench
+    from specbook.decoding import encode
+    from specbook.prompts import load_prompts
+    from specbook.train import CKPT_DIR
+
+    model, tok = real
+    head, vocab, card = load_eagle(model, CKPT_DIR / "eagle")
+    drafters = [EagleDrafter(model, head, vocab, choices=static_tree(card, bench.EAGLE_NODES)),
+                EagleDrafter(model, head, vocab, depth=bench.EAGLE_DEPTH, top_k=bench.EAGLE_TOPK, total_tokens=16)]
+    taus = []
+    for i, p in enumerate(load_prompts("eval", limit=12)):
+        ids, _ = encode(tok, p["turns"][0])
+        ar = generate(model, ids, max_new_tokens=64).tokens[0]
+        sp = speculative_generate(model, drafters[i % 2], ids, max_new_tokens=64)
+        assert sp.tokens[0] == ar, p["question_id"]
+        taus.append(sp.stats.tau)
+    print("mean tau", sum(taus) / len(taus))
+    assert sum(taus) / len(taus) > 1.5
