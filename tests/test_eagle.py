@@ -139,6 +139,46 @@ def test_draft_cache_equals_recomputation(tiny_pair):
     assert _CheckedDrafter.checks >= 8
 
 
+def test_tree_drafting_matches_chain_recomputation(tiny_pair):
+    """Each node's confidence from the tree-attention draft forwards equals the product of q along its path
+    recomputed as a plain causal chain (checks the draft's tree mask, positions and feature wiring)."""
+    from transformers import DynamicCache
+
+    from specbook.decoding import SpecState
+
+    tgt, head = tiny_pair
+    ids = [1, 4, 2, 9, 3]
+    with torch.no_grad():
+        out = tgt(torch.tensor([ids]), output_hidden_states=True)
+    first = int(out.logits[0, -1].argmax())
+    tokens = ids + [first]
+    state = SpecState(tokens=list(tokens), prompt_len=len(ids), sampling=SamplingConfig(), generator=None, target=tgt,
+                      target_hidden=out.hidden_states[-1][0])
+    for drafter in (EagleDrafter(tgt, head, depth=4, top_k=3, total_tokens=20),
+                    EagleDrafter(tgt, head, choices=[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)])):
+        drafter.begin(state)
+        tree = drafter.propose(state)
+        n = len(tokens) - 1
+        W = tgt.get_output_embeddings().weight
+        for i in range(len(tree)):
+            path, a = [], i
+            while a >= 0:
+                path.append(int(tree.tokens[a]))
+                a = int(tree.parents[a])
+            path = path[::-1]
+            with torch.no_grad():
+                ref = DynamicCache(config=head.model.config)
+                f = head(tgt.get_input_embeddings()(torch.tensor([tokens[1:]])), state.target_hidden[None],
+                         position_ids=torch.arange(n)[None], cache=ref)[0, -1]
+                logq = 0.0
+                for d, x in enumerate(path):
+                    logq += float(torch.log_softmax(f @ W.T, -1)[x])
+                    f = head(tgt.get_input_embeddings()(torch.tensor([[x]])), f[None, None],
+                             position_ids=torch.tensor([[n + d]]), cache=ref)[0, -1]
+            assert float(tree.confidence[i]) == pytest.approx(math.exp(logq), rel=1e-4, abs=1e-7), (i, path)
+        assert len(drafter.cache.layers[0].keys[0, 0]) == n  # the tree was cropped away again
+
+
 def test_bad_input(tiny_pair):
     tgt, head = tiny_pair
     with pytest.raises(ValueError, match="total_tokens"):
