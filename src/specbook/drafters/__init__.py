@@ -1,1 +1,18 @@
 """One module per method; each defines a Drafter (decoding.Drafter protocol)."""
+
+import torch
+
+
+def head_rows(W: torch.Tensor, vocab) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An LM head [V, H] restricted to a reduced draft vocabulary: (rows [Vd, H], vocab [Vd] long on W's device).
+
+    ``vocab`` = None keeps the full head. A reduced vocabulary must be a non-empty 1-D list of token ids in
+    [0, V) (EAGLE-3's d2t idea: computing only frequent rows is the largest saving for a small draft).
+    """
+    if vocab is None:
+        return W, None
+    V = W.shape[0]
+    vocab = torch.as_tensor(vocab, dtype=torch.long, device=W.device)
+    if vocab.ndim != 1 or len(vocab) < 1 or int(vocab.min()) < 0 or int(vocab.max()) >= V:
+        raise ValueError(f"vocab must be a 1-D list of token ids in [0, {V}), got shape {tuple(vocab.shape)}")
+    return W.index_select(0, vocab), vocab

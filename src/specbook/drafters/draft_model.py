@@ -14,6 +14,7 @@ from ..cache import crop_to
 from ..decoding import Drafter, SpecState, new_cache
 from ..sampling import probs_from, sample
 from ..verify import DraftTree
+from . import head_rows
 
 
 def check_same_tokenizer(target_tok, draft_tok, target_name: str = "target", draft_name: str = "draft") -> None:
@@ -40,15 +41,8 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"gamma (draft tokens per step) must be an int >= 1, got {gamma!r}")
         self.model = draft_model
         self.gamma = gamma
-        self.vocab = None
-        self.head = draft_model.get_output_embeddings().weight  # [V, H]
-        if vocab is not None:
-            V = self.head.shape[0]
-            vocab = torch.as_tensor(vocab, dtype=torch.long, device=self.head.device)
-            if vocab.ndim != 1 or len(vocab) < 1 or int(vocab.min()) < 0 or int(vocab.max()) >= V:
-                raise ValueError(f"vocab must be a 1-D list of token ids in [0, {V}), got shape {tuple(vocab.shape)}")
-            self.vocab = vocab
-            self.head = self.head.index_select(0, vocab).contiguous()  # [Vd, H]
+        head, self.vocab = head_rows(draft_model.get_output_embeddings().weight, vocab)
+        self.head = head.contiguous()  # [V, H] or [Vd, H]
         self.forwards = 0
         self.cache = None
         self.cached: list[int] = []  # tokens whose K/V are in self.cache

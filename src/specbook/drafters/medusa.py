@@ -35,6 +35,7 @@ from torch import nn
 
 from ..decoding import Drafter, SpecState
 from ..verify import DraftTree
+from . import head_rows
 
 
 # --------------------------------------------------------------------------- heads
@@ -140,13 +141,7 @@ class MedusaDrafter(Drafter):
         if depth > heads.n_heads:
             raise ValueError(f"the tree is {depth} deep but there are only {heads.n_heads} Medusa heads; "
                              "drop the deeper choices or train more heads")
-        W = target.get_output_embeddings().weight  # [V, H]
-        V = W.shape[0]
-        if vocab is not None:
-            vocab = torch.as_tensor(vocab, dtype=torch.long, device=W.device)
-            if vocab.ndim != 1 or len(vocab) < 1 or int(vocab.min()) < 0 or int(vocab.max()) >= V:
-                raise ValueError(f"vocab must be a 1-D list of token ids in [0, {V})")
-            W = W.index_select(0, vocab)
+        W, vocab = head_rows(target.get_output_embeddings().weight, vocab)  # [Vd, H]
         self.topk = max(c[-1] for c in self.nodes) + 1
         if self.topk > W.shape[0]:
             raise ValueError(f"the tree asks for the top-{self.topk} tokens of a head but the head vocabulary has "
@@ -188,8 +183,9 @@ class MedusaObjective:
     def __init__(self, target, n_heads: int = 4, vocab: torch.Tensor | None = None, decay: float = 0.8,
                  feature_index: int = 0):
         W = target.get_output_embeddings().weight.detach()
-        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long)
-        self.W = (W if self.vocab is None else W.index_select(0, self.vocab.to(W.device))).float()  # [Vd, H] frozen
+        W_sub, vocab = head_rows(W, vocab)
+        self.vocab = None if vocab is None else vocab.cpu()
+        self.W = W_sub.float()  # [Vd, H] frozen
         self.W_full = W.float()
         self.heads = MedusaHeads(W.shape[1], n_heads).to(W.device).float()
         self.module = self.heads
