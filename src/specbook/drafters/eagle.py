@@ -47,6 +47,7 @@ from torch import nn
 
 from ..decoding import Drafter, SpecState
 from ..verify import DraftTree
+from . import head_rows
 
 
 # --------------------------------------------------------------------------- the head
@@ -87,17 +88,6 @@ class EagleHead(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("model.embed_tokens")}
 
 
-def _lm_rows(target, vocab: torch.Tensor | None) -> torch.Tensor:
-    W = target.get_output_embeddings().weight
-    if vocab is None:
-        return W
-    V = W.shape[0]
-    vocab = torch.as_tensor(vocab, dtype=torch.long, device=W.device)
-    if vocab.ndim != 1 or len(vocab) < 1 or int(vocab.min()) < 0 or int(vocab.max()) >= V:
-        raise ValueError(f"vocab must be a 1-D list of token ids in [0, {V})")
-    return W.index_select(0, vocab)
-
-
 # --------------------------------------------------------------------------- training objective
 
 
@@ -119,8 +109,9 @@ class EagleObjective:
         if inputs not in self.INPUTS:
             raise ValueError(f"inputs must be one of {self.INPUTS}, got {inputs!r}")
         self.inputs = inputs
-        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long)
-        self.W = _lm_rows(target, self.vocab).detach().float()  # [Vd, H] frozen
+        W, vocab = head_rows(target.get_output_embeddings().weight, vocab)
+        self.vocab = None if vocab is None else vocab.cpu()
+        self.W = W.detach().float()  # [Vd, H] frozen
         self.W_full = target.get_output_embeddings().weight.detach().float()
         self.E = target.get_input_embeddings()  # frozen; called as a module (keeps any embedding scale)
         self.head = EagleHead(target.config).to(self.W.device).float()
@@ -351,7 +342,7 @@ class EagleDrafter(Drafter):
     def __init__(self, target, head: EagleHead, vocab: torch.Tensor | None = None, *,
                  choices: list[tuple[int, ...]] | None = None, depth: int = 5, top_k: int = 4,
                  total_tokens: int | str = 16, latency: dict[int, float] | None = None, max_auto: int = 64):
-        W = _lm_rows(target, vocab)
+        W, self.vocab = head_rows(target.get_output_embeddings().weight, vocab)
         if next(head.parameters()).device != W.device:
             raise ValueError(f"the EAGLE head is on {next(head.parameters()).device} but the target is on {W.device}; "
                              "move both to one device")
@@ -359,7 +350,6 @@ class EagleDrafter(Drafter):
             raise ValueError(f"the EAGLE head has width {head.hidden}, the target {target.config.hidden_size}: "
                              "it was built for another target")
         self.target, self.head, self.W = target, head.eval(), W.contiguous()
-        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long, device=W.device)
         self.E = target.get_input_embeddings()
         self.static = None
         if choices is not None:
@@ -387,7 +377,6 @@ class EagleDrafter(Drafter):
         self.total_tokens, self.latency, self.max_auto = total_tokens, latency, max_auto
         self.forwards = 0
         self.cache, self.n_cached = None, 0
-        self.sizes: list[int] = []  # tree size of each step (auto mode's choices)
 
     # -- the draft KV cache over committed positions
 
@@ -396,7 +385,6 @@ class EagleDrafter(Drafter):
 
         self.cache = DynamicCache(config=self.head.model.config)
         self.n_cached = 0
-        self.sizes = []
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
         return self.E(torch.tensor([ids], device=self.W.device)).to(self.W.dtype)
@@ -481,9 +469,7 @@ class EagleDrafter(Drafter):
             total = auto_size(sorted((math.exp(s) for s in pool.score), reverse=True), self.latency, self.max_auto)
         else:
             total = self.total_tokens
-        tree = pool.tree(total)
-        self.sizes.append(len(tree))
-        return tree
+        return pool.tree(total)
 
     def _static(self, lp_root: torch.Tensor, f_root: torch.Tensor) -> DraftTree:
         nodes, parents = self.static
@@ -517,5 +503,4 @@ class EagleDrafter(Drafter):
                     if len(x) == d + 1 and x[:d] == c:
                         tok[index[x]] = ids[x[-1]]
                         score[index[x]] = score[index[c]] + float(cv[r, x[-1]])
-        self.sizes.append(len(nodes))
         return DraftTree(torch.tensor(tok, dtype=torch.long), parents.clone(), confidence=torch.tensor(score).exp())
