@@ -241,12 +241,20 @@ def eagle_for(ctx: BenchContext):
     return ctx.extras["eagle"]
 
 
+def eagle_settings(ctx: BenchContext) -> dict:
+    """The EAGLE tree settings of this run: the module defaults, overridden through ``extras`` (notebook 03's search);
+    the same dict drives the drafters and goes into the JSON."""
+    return {"nodes": ctx.extras.get("eagle_nodes", EAGLE_NODES), "depth": ctx.extras.get("eagle_depth", EAGLE_DEPTH),
+            "top_k": ctx.extras.get("eagle_topk", EAGLE_TOPK), "eagle2_total": ctx.extras.get("eagle2_total", EAGLE2_TOTAL)}
+
+
 @method("eagle", "EAGLE-1 head (data/checkpoints/eagle), static tree of EAGLE_NODES, lossless tree verification")
 def _eagle(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.eagle import EagleDrafter, static_tree
 
     head, vocab, card, _ = eagle_for(ctx)
-    choices = static_tree(card, ctx.extras.get("eagle_nodes", EAGLE_NODES), depth=ctx.extras.get("eagle_depth", EAGLE_DEPTH))
+    s = eagle_settings(ctx)
+    choices = static_tree(card, s["nodes"], depth=s["depth"])
     return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=choices), gen)
 
 
@@ -255,9 +263,9 @@ def _eagle2(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.eagle import EagleDrafter
 
     head, vocab, _, latency = eagle_for(ctx)
-    drafter = EagleDrafter(ctx.model, head, vocab, depth=ctx.extras.get("eagle_depth", EAGLE_DEPTH),
-                           top_k=ctx.extras.get("eagle_topk", EAGLE_TOPK),
-                           total_tokens=ctx.extras.get("eagle2_total", EAGLE2_TOTAL), latency=latency)
+    s = eagle_settings(ctx)
+    drafter = EagleDrafter(ctx.model, head, vocab, depth=s["depth"], top_k=s["top_k"], total_tokens=s["eagle2_total"],
+                           latency=latency)
     return _spec(ctx, ids, drafter, gen)
 
 
@@ -365,11 +373,8 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                      "repeats": repeats, "prompts": len(prompts), "seed": seed, "methods": methods,
                      "gamma": ctx.extras.get("gamma", GAMMA),
                      **({"medusa_choices": [list(c) for c in ctx.extras["medusa"][2]]} if "medusa" in ctx.extras else {}),
-                     **({"eagle": {"nodes": ctx.extras.get("eagle_nodes", EAGLE_NODES),
-                                   "depth": ctx.extras.get("eagle_depth", EAGLE_DEPTH),
-                                   "top_k": ctx.extras.get("eagle_topk", EAGLE_TOPK),
-                                   "eagle2_total": ctx.extras.get("eagle2_total", EAGLE2_TOTAL),
-                                   "latency_s": ctx.extras["eagle"][3]}} if "eagle" in ctx.extras else {}),
+                     **({"eagle": {**eagle_settings(ctx), "latency_s": ctx.extras["eagle"][3]}}
+                        if "eagle" in ctx.extras else {}),
                      "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)"},
         "rows": rows,
         "by_category": by_cat,

@@ -30,25 +30,26 @@ def _draft_model(target, args):
     return DraftModelObjective(target, layers) if layers else DraftModelObjective(target)
 
 
-def _medusa(target, args, corpus=None):
+def _head_vocab(args, corpus=None):
+    """--vocab N: the N most frequent response tokens of the whole corpus (None = the full vocabulary)."""
     from .corpus import load_corpus, top_tokens
+
+    if not args.vocab:
+        return None
+    ids, _ = top_tokens(corpus if corpus is not None else load_corpus(Path(args.corpus)), args.vocab)
+    return ids
+
+
+def _medusa(target, args, corpus=None):
     from .drafters.medusa import MedusaObjective
 
-    vocab = None
-    if args.vocab:
-        ids, _ = top_tokens(corpus if corpus is not None else load_corpus(Path(args.corpus)), args.vocab)
-        vocab = ids
-    return MedusaObjective(target, n_heads=args.heads, vocab=vocab)
+    return MedusaObjective(target, n_heads=args.heads, vocab=_head_vocab(args, corpus))
 
 
 def _eagle(target, args, corpus=None):
-    from .corpus import load_corpus, top_tokens
     from .drafters.eagle import EagleObjective
 
-    vocab = None
-    if args.vocab:
-        vocab, _ = top_tokens(corpus if corpus is not None else load_corpus(Path(args.corpus)), args.vocab)
-    return EagleObjective(target, vocab=vocab, noise=args.noise)
+    return EagleObjective(target, vocab=_head_vocab(args, corpus), noise=args.noise)
 
 
 # name -> (objective factory, cached layers, the held-out metric that decides replacement)
