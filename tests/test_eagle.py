@@ -198,24 +198,14 @@ def test_bad_input(tiny_pair):
 
 # --------------------------------------------------------------------------- training + checkpoints
 
-def test_objective_learns_and_checkpoint_checks(tmp_path, tiny):
+def test_objective_learns_and_checkpoint_checks(tmp_path, tiny, tiny_feature_batch, fit):
     from specbook.models import fingerprint
-    from specbook.training import Batch, CheckpointError, save_checkpoint
+    from specbook.training import CheckpointError, save_checkpoint
 
     obj = EagleObjective(tiny, vocab=torch.arange(0, tiny.config.vocab_size, 2))
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, tiny.config.vocab_size, (4, 16), generator=g)
-    with torch.no_grad():
-        feats = tiny(tokens, output_hidden_states=True).hidden_states[-1][:, :, None, :]
-    batch = Batch(tokens, feats, torch.ones(4, 16, dtype=torch.bool))
-    opt = torch.optim.AdamW(obj.module.parameters(), lr=3e-3)
-    first = float(obj.loss(batch)[0].detach())
-    for _ in range(60):
-        loss, m = obj.loss(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert float(loss) < 0.7 * first
+    batch = tiny_feature_batch
+    first, last = fit(obj, batch, lr=3e-3)
+    assert last < 0.7 * first
     ev = obj.evaluate(batch, topk=3)
     assert {"top1", "top3", "acc_r2", "top1_step2", "mean_top1"} <= set(ev)
 

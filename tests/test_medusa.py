@@ -140,23 +140,13 @@ def test_acceptance_mode_is_validated(tiny):
 
 # --------------------------------------------------------------------------- training + checkpoints
 
-def test_objective_learns_and_checkpoint_round_trip(tmp_path, tiny):
-    from specbook.training import Batch, CheckpointError, save_checkpoint
+def test_objective_learns_and_checkpoint_round_trip(tmp_path, tiny, tiny_feature_batch, fit):
+    from specbook.training import CheckpointError, save_checkpoint
 
     obj = MedusaObjective(tiny, n_heads=2, vocab=torch.arange(0, tiny.config.vocab_size, 2))
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, tiny.config.vocab_size, (4, 16), generator=g)
-    with torch.no_grad():
-        feats = tiny(tokens, output_hidden_states=True).hidden_states[-1][:, :, None, :]
-    batch = Batch(tokens, feats, torch.ones(4, 16, dtype=torch.bool))
-    opt = torch.optim.AdamW(obj.module.parameters(), lr=1e-2)
-    first = float(obj.loss(batch)[0].detach())
-    for _ in range(60):
-        loss, _ = obj.loss(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert float(loss) < first - 0.2
+    batch = tiny_feature_batch
+    first, last = fit(obj, batch, lr=1e-2)
+    assert last < first - 0.2
     ev = obj.evaluate(batch, topk=3)
     assert {"top1_h1", "top3_h2", "acc_h2_r2", "mean_top1"} <= set(ev)
 
