@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from specbook.decoding import generate, speculative_generate
-from specbook.drafters.eagle import (EagleDrafter, EagleHead, EagleObjective, auto_size, grow_dynamic, load_eagle,
-                                     select_nodes, static_tree)
+from specbook.drafters.eagle import (EagleDrafter, EagleHead, EagleObjective, grow_dynamic, load_eagle, select_nodes,
+                                     static_tree, worth_expanding)
 from specbook.exactness import exact_first_two, logit_table, loop_first_two, tv, tv_bound
 from specbook.models import tiny_llama
+from specbook.roofline import auto_size
 from specbook.sampling import SamplingConfig, make_generator
 
 # --------------------------------------------------------------------------- the dynamic tree, by hand
@@ -54,6 +55,22 @@ def test_auto_size_uses_the_latency_curve():
     assert auto_size([.9, .8, .1, .05], lat, 1) == 1
 
 
+def test_auto_size_counts_the_drafting_time():
+    lat = {1: 1.0, 2: 1.0, 4: 1.1, 8: 2.0}
+    # overhead 1.0: 1.9 / 2.0 = .95; 2.7 / 2.05 = 1.317; 2.8 / 2.1 = 1.333; 2.85 / 2.325 = 1.226 -> 3 nodes
+    assert auto_size([.9, .8, .1, .05], lat, 64, overhead=1.0) == 3
+    assert auto_size([.9, .8, .1, .05], lat, 64, overhead=0.0) == 2
+
+
+def test_worth_expanding_by_hand():
+    lat = {1: 1.0, 64: 1.0}  # flat: verification cost does not grow with the tree
+    # in hand: nodes .5, .2 -> rate (1 + .7) / (overhead 1 + 1) = .85
+    # expanding (cost .5) with frontier mass m: at most (1.7 + m) / 2.5 -> pays iff m > .425
+    assert worth_expanding([.5, .2], 0.5, lat, 64, overhead=1.0, draft_cost=0.5)
+    assert not worth_expanding([.5, .2], 0.4, lat, 64, overhead=1.0, draft_cost=0.5)
+    assert worth_expanding([.5, .2], 0.01, lat, 64, overhead=1.0, draft_cost=0.0)  # free drafting always pays
+
+
 def test_static_tree_from_rank_accuracy():
     card = {"heldout": {"acc_r0": 0.6, "acc_r1": 0.2}, "config": {}}
     # per depth the same rank accuracies: (0)=.6 (0,0)=.36 (1)=.2 (0,0,0)=.216 ...
@@ -76,10 +93,13 @@ def tiny_pair():
 def _drafters(tgt, head):
     return {"dynamic": EagleDrafter(tgt, head, depth=3, top_k=2, total_tokens=5),
             "static": EagleDrafter(tgt, head, choices=[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),
-            "auto": EagleDrafter(tgt, head, depth=3, top_k=3, total_tokens="auto", latency={1: 1.0, 4: 1.2, 16: 2.0})}
+            "auto": EagleDrafter(tgt, head, depth=3, top_k=3, total_tokens="auto", latency={1: 1.0, 4: 1.2, 16: 2.0}),
+            # with a draft cost: the drafting time joins the cost model and the expansion may stop early
+            "auto_cost": EagleDrafter(tgt, head, depth=4, top_k=3, total_tokens="auto", latency={1: 1.0, 4: 1.2, 16: 2.0},
+                                      draft_cost=0.1)}
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "auto_cost"])
 def test_eagle_loop_is_lossless_at_T1(tiny_pair, kind):
     """The whole loop (features, tree attention in draft and target, both caches) at T=1 matches the
     target's exact joint distribution of the first two tokens."""
@@ -93,7 +113,7 @@ def test_eagle_loop_is_lossless_at_T1(tiny_pair, kind):
     assert d < b
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static", "auto"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "auto", "auto_cost"])
 def test_eagle_greedy_equals_ar_on_tiny_model(tiny_pair, kind):
     tgt, head = tiny_pair
     drafter = _drafters(tgt, head)[kind]
@@ -179,6 +199,66 @@ def test_tree_drafting_matches_chain_recomputation(tiny_pair):
         assert len(drafter.cache.layers[0].keys[0, 0]) == n  # the tree was cropped away again
 
 
+def test_teacher_forced_top1_at_step_starts_is_the_loops_first_token_acceptance(tiny_pair):
+    """Greedy, fp32: the first draft token of a step reads exactly the true features, so the teacher-forced
+    hits at the positions where steps started must reproduce the loop's depth-0 acceptance count."""
+    from specbook.drafters.eagle import teacher_forced_top1
+    from specbook.drafters.medusa import chain_choices
+
+    tgt, head = tiny_pair
+    torch.manual_seed(5)
+    trained_ish = EagleHead(tgt.config).eval()  # any head works; a second one makes the check less special
+    for h in (head, trained_ish):
+        drafter = EagleDrafter(tgt, h, choices=chain_choices(3))
+        starts, propose = [], drafter.propose
+        drafter.propose = lambda state: (starts.append(len(state.tokens)), propose(state))[1]
+        ids = torch.tensor([[1, 4, 2, 9]])
+        r = speculative_generate(tgt, drafter, ids, max_new_tokens=30, eos_token_id=-1)
+        seq = ids[0].tolist() + r.tokens[0]
+        hit = teacher_forced_top1(tgt, h, None, seq)
+        assert int(hit[starts].sum()) == r.stats.pos_accepted.get(0, 0)
+        assert len(starts) == r.stats.pos_tested[0]
+
+
+def test_costly_drafting_stops_the_expansion_early(tiny_pair):
+    """With a draft forward as dear as a whole target step, a second depth cannot pay: the tree stays one deep.
+    With free drafting the same drafter grows all its depths (on this head, whose confidences are not tiny)."""
+    tgt, head = tiny_pair
+    ids = torch.tensor([[1, 4, 2, 9]])
+    lat = {1: 1.0, 64: 1.0}
+    depth_of = {}
+    for cost in (10.0, 0.0):
+        drafter = EagleDrafter(tgt, head, depth=4, top_k=2, total_tokens="auto", latency=lat, draft_cost=cost)
+        seen = []
+        propose = drafter.propose
+
+        def spy(state, propose=propose, seen=seen):
+            tree = propose(state)
+            d = [0] * len(tree)
+            for i, par in enumerate(tree.parents.tolist()):
+                d[i] = d[par] + 1 if par >= 0 else 1
+            seen.append(max(d))
+            return tree
+
+        drafter.propose = spy
+        speculative_generate(tgt, drafter, ids, max_new_tokens=12, eos_token_id=-1)
+        depth_of[cost] = max(seen)
+    assert depth_of[10.0] == 1
+    assert depth_of[0.0] == 4
+
+
+def test_measure_draft_cost_leaves_the_drafter_as_it_was(tiny_pair):
+    tgt, head = tiny_pair
+    drafter = EagleDrafter(tgt, head, depth=3, top_k=2, total_tokens=6)
+    ids = torch.tensor([[1, 4, 2, 9]])
+    ref = speculative_generate(tgt, drafter, ids, max_new_tokens=10, eos_token_id=-1)
+    fw, cache, n = drafter.forwards, drafter.cache, drafter.n_cached
+    c = drafter.measure_draft_cost(context=16, repeats=3)
+    assert c > 0
+    assert (drafter.forwards, drafter.cache, drafter.n_cached) == (fw, cache, n)
+    assert speculative_generate(tgt, drafter, ids, max_new_tokens=10, eos_token_id=-1).tokens == ref.tokens
+
+
 def test_bad_input(tiny_pair):
     tgt, head = tiny_pair
     with pytest.raises(ValueError, match="total_tokens"):
@@ -191,6 +271,8 @@ def test_bad_input(tiny_pair):
         EagleDrafter(tgt, head, total_tokens="auto")
     with pytest.raises(ValueError, match="top_k 13"):
         EagleDrafter(tgt, head, top_k=13, total_tokens=16)
+    with pytest.raises(ValueError, match="draft_cost"):
+        EagleDrafter(tgt, head, total_tokens="auto", latency={1: 1.0}, draft_cost=-1.0)
     wide = tiny_llama(vocab_size=VOCAB, hidden_size=64, seed=3)
     with pytest.raises(ValueError, match="another target"):
         EagleDrafter(wide, head)
@@ -242,13 +324,16 @@ def test_real_model_eagle_greedy_equals_ar(real):
 
     model, tok = real
     head, vocab, card = load_eagle(model, CKPT_DIR / "eagle")
-    drafters = [EagleDrafter(model, head, vocab, choices=static_tree(card, bench.EAGLE_NODES)),
-                EagleDrafter(model, head, vocab, depth=bench.EAGLE_DEPTH, top_k=bench.EAGLE_TOPK, total_tokens=16)]
+    lat = {1: 0.040, 16: 0.046, 64: 0.063}  # a latency curve like an AMX CPU's (bf16), with its draft cost
+    drafters = [EagleDrafter(model, head, vocab, choices=static_tree(card, 16, depth=bench.EAGLE_DEPTH)),
+                EagleDrafter(model, head, vocab, depth=bench.EAGLE_DEPTH, top_k=bench.EAGLE_TOPK, total_tokens=16),
+                EagleDrafter(model, head, vocab, depth=bench.EAGLE_DEPTH, top_k=bench.EAGLE_TOPK, total_tokens="auto",
+                             latency=lat, draft_cost=0.004)]
     taus = []
     for i, p in enumerate(load_prompts("eval", limit=12)):
         ids, _ = encode(tok, p["turns"][0])
         ar = generate(model, ids, max_new_tokens=64).tokens[0]
-        sp = speculative_generate(model, drafters[i % 2], ids, max_new_tokens=64)
+        sp = speculative_generate(model, drafters[i % 3], ids, max_new_tokens=64)
         assert sp.tokens[0] == ar, p["question_id"]
         taus.append(sp.stats.tau)
     print("mean tau", sum(taus) / len(taus))

@@ -4,7 +4,7 @@ import torch
 
 from specbook import verify as V
 from specbook.drafters.medusa import (MedusaDrafter, MedusaHeads, MedusaObjective, all_choices, chain_choices,
-                                      load_medusa, rank_accuracy, sparse_tree, tree_from_choices)
+                                      load_medusa, rank_accuracy, sparse_tree, tree_from_choices, auto_nodes)
 from specbook.exactness import exact_first_two, logit_table, loop_first_two, topk_tree, tree_first_two, tv, tv_bound
 from specbook.models import tiny_llama
 from specbook.sampling import SamplingConfig, make_generator
@@ -50,6 +50,15 @@ def test_sparse_tree_hand_computed():
     assert sparse_tree(acc, 5) == [(0,), (0, 0), (1,), (1, 0), (0, 1)]
     assert len(sparse_tree(acc, 100)) == 6  # everything there is
     tree_from_choices(sparse_tree(acc, 4))  # always a valid tree
+
+
+def test_auto_nodes_from_the_latency_curve():
+    acc = [[0.6, 0.2], [0.5, 0.1]]  # path values .6, .3, .2, .1, .06, .02 (see above)
+    # latency(k) = 1 + (k - 1) / 10: tau(n) / latency(n + 1) = 1.6/1.1, 1.9/1.2, 2.1/1.3, 2.2/1.4 -> peak at 3
+    lat = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4, 6: 1.5, 7: 1.6}
+    assert auto_nodes(acc, lat) == 3
+    assert auto_nodes(acc, {1: 1.0, 64: 1.0}) == 6  # free verification: the whole tree
+    assert auto_nodes(acc, {1: 1.0, 2: 10.0}) == 1  # dear verification: one node (the minimum)
 
 
 # --------------------------------------------------------------------------- statistical losslessness
@@ -171,15 +180,14 @@ def test_objective_learns_and_checkpoint_round_trip(tmp_path, tiny, tiny_feature
 
 @pytest.mark.slow
 def test_real_model_medusa_greedy_equals_ar(real):
-    """Greedy Medusa (committed heads, the bench tree) emits exactly our AR loop's tokens in fp32."""
-    from specbook.bench import MEDUSA_NODES
+    """Greedy Medusa (committed heads, a 16-node sparse tree) emits exactly our AR loop's tokens in fp32."""
     from specbook.decoding import encode, generate, speculative_generate
     from specbook.prompts import load_prompts
     from specbook.train import CKPT_DIR
 
     model, tok = real
     heads, vocab, card = load_medusa(model, CKPT_DIR / "medusa")
-    drafter = MedusaDrafter(model, heads, sparse_tree(rank_accuracy(card), MEDUSA_NODES), vocab=vocab)
+    drafter = MedusaDrafter(model, heads, sparse_tree(rank_accuracy(card), 16), vocab=vocab)
     taus = []
     for p in load_prompts("eval", limit=20):
         ids, _ = encode(tok, p["turns"][0])

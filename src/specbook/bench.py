@@ -186,20 +186,50 @@ def _hf_lookup(ctx: BenchContext, ids, mask, gen) -> RunStats:
 
 # ---------------------------------------------------------------- Medusa (issue: Medusa)
 
-MEDUSA_NODES = 4  # nodes of the sparse tree: the best measured speedup in notebook 02's search (section 3) on this model
+MEDUSA_NODES = "auto"  # nodes of the sparse tree; "auto": the size the target's latency curve, measured in this run,
+# pays for (medusa.auto_nodes). On an AVX2 CPU (fp32) that gave 4 nodes (notebook 02's measured search agreed); on
+# a CPU with AMX (bf16) latency(k) is nearly flat to 32 tokens and the tree grows.
+
+
+def measure_latency(model) -> dict[int, float]:
+    """The target's forward latency curve {k tokens: seconds} at a 256-token context (what "auto" trees use)."""
+    from .roofline import profile_latency_vs_k
+
+    return profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64), context=256, repeats=3)
+
+
+def latency_for(ctx: BenchContext) -> dict[int, float]:
+    """measure_latency, once per run."""
+    if "latency" not in ctx.extras:
+        ctx.extras["latency"] = measure_latency(ctx.model)
+    return ctx.extras["latency"]
 
 
 def medusa_for(ctx: BenchContext):
     """The committed Medusa heads, their vocabulary and the tree's choice paths (built once per run)."""
     if "medusa" not in ctx.extras:
-        from .drafters.medusa import load_medusa, sparse_tree, rank_accuracy
+        from .drafters.medusa import load_medusa
         from .train import CKPT_DIR
 
         heads, vocab, card = load_medusa(ctx.model, CKPT_DIR / "medusa")
-        choices = ctx.extras.get("medusa_choices") or sparse_tree(rank_accuracy(card),
-                                                                   ctx.extras.get("medusa_nodes", MEDUSA_NODES))
+        choices = ctx.extras.get("medusa_choices")
+        if not choices:
+            n = ctx.extras.get("medusa_nodes", MEDUSA_NODES)
+            choices = medusa_tree(card, latency_for(ctx) if n == "auto" else None, n)
         ctx.extras["medusa"] = (heads, vocab, choices)
     return ctx.extras["medusa"]
+
+
+def medusa_tree(card: dict, latency: dict[int, float] | None, nodes: int | str = MEDUSA_NODES) -> list[tuple[int, ...]]:
+    """The Medusa sparse tree for these heads: ``nodes`` paths, or "auto" (the size ``latency`` pays for)."""
+    from .drafters.medusa import auto_nodes, rank_accuracy, sparse_tree
+
+    acc = rank_accuracy(card)
+    if nodes == "auto":
+        if not latency:
+            raise ValueError("nodes='auto' needs the target's latency curve (roofline.profile_latency_vs_k)")
+        nodes = auto_nodes(acc, latency)
+    return sparse_tree(acc, nodes)
 
 
 def _medusa_run(ctx: BenchContext, ids, gen, acceptance: str) -> RunStats:
@@ -221,23 +251,25 @@ def _medusa_typical(ctx: BenchContext, ids, mask, gen) -> RunStats:
 
 # ---------------------------------------------------------------- EAGLE (issue: EAGLE-1 / EAGLE-2)
 
-# Tree settings tuned on this model (notebook 03, section 4, and the search it repeats): on a CPU the target's
-# latency(k) jumps from 1 to 2 tokens and then stays nearly flat to 16, so deep, narrow trees pay.
-EAGLE_NODES = 8  # eagle: static tree of EAGLE_NODES nodes (sparse tree from the head's rank accuracies), EAGLE_DEPTH deep
-EAGLE_DEPTH, EAGLE_TOPK = 6, 4  # eagle2: drafting depth and children per expanded node
-EAGLE2_TOTAL = "auto"  # eagle2: nodes kept per step; "auto" = from the target's latency curve, measured in this run
+# Tree settings. depth / top_k: notebook 03's search on this model; tree sizes: "auto" = what the target's latency
+# curve and the head's confidence pay for on the machine at hand, measured in the same run (an AVX2 CPU in fp32:
+# latency(k) jumps from 1 to 2 tokens, small trees; AMX in bf16: nearly flat to 32 tokens, large trees).
+EAGLE_NODES = "auto"  # eagle: static tree nodes (sparse tree from the head's rank accuracies), or "auto" (auto_nodes)
+EAGLE_DEPTH, EAGLE_TOPK = 6, 4  # drafting depth (static and dynamic) and children per expanded node (dynamic)
+EAGLE2_TOTAL = "auto"  # eagle2: nodes kept per step; "auto" = per step from the latency curve and the draft's cost
 
 
 def eagle_for(ctx: BenchContext):
-    """The committed EAGLE head, its vocabulary and card (+ the target's latency curve for "auto")."""
+    """The committed EAGLE head, its vocabulary and card (+ the target's latency curve and the draft's cost per
+    forward for "auto", measured once per run)."""
     if "eagle" not in ctx.extras:
-        from .drafters.eagle import load_eagle
-        from .roofline import profile_latency_vs_k
+        from .drafters.eagle import EagleDrafter, load_eagle
         from .train import CKPT_DIR
 
         head, vocab, card = load_eagle(ctx.model, CKPT_DIR / "eagle")
-        latency = profile_latency_vs_k(ctx.model, ks=(1, 2, 4, 8, 16, 32, 64), context=256, repeats=3)
-        ctx.extras["eagle"] = (head, vocab, card, latency)
+        s = eagle_settings(ctx)
+        cost = EagleDrafter(ctx.model, head, vocab, depth=s["depth"], top_k=s["top_k"]).measure_draft_cost()
+        ctx.extras["eagle"] = (head, vocab, card, latency_for(ctx), cost)
     return ctx.extras["eagle"]
 
 
@@ -248,24 +280,47 @@ def eagle_settings(ctx: BenchContext) -> dict:
             "top_k": ctx.extras.get("eagle_topk", EAGLE_TOPK), "eagle2_total": ctx.extras.get("eagle2_total", EAGLE2_TOTAL)}
 
 
+def eagle_static_tree(card: dict, latency: dict[int, float] | None, draft_cost: float, nodes: int | str = EAGLE_NODES,
+                      depth: int = EAGLE_DEPTH) -> list[tuple[int, ...]]:
+    """EAGLE-1's static tree: ``nodes`` paths ``depth`` deep, or "auto" (the size ``latency`` pays for, with the
+    step's draft forwards — one per depth, ``draft_cost`` seconds each — as overhead)."""
+    from .drafters.eagle import static_accuracy, static_tree
+    from .drafters.medusa import auto_nodes
+
+    if nodes == "auto":
+        if not latency:
+            raise ValueError("nodes='auto' needs the target's latency curve (roofline.profile_latency_vs_k)")
+        nodes = auto_nodes(static_accuracy(card, depth), latency, overhead=depth * draft_cost)
+    return static_tree(card, nodes, depth=depth)
+
+
+def preload_eagle(model, tokenizer) -> dict:
+    """``extras`` holding the loaded EAGLE head, the latency curve and the draft cost: pass it to several
+    run_bench calls (notebook 03's search) so they share one load and one measurement."""
+    ctx = BenchContext(model=model, tokenizer=tokenizer, sampling=SamplingConfig(), max_new_tokens=1, extras={})
+    eagle_for(ctx)
+    return ctx.extras
+
+
 @method("eagle", "EAGLE-1 head (data/checkpoints/eagle), static tree of EAGLE_NODES, lossless tree verification")
 def _eagle(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.eagle import EagleDrafter, static_tree
 
-    head, vocab, card, _ = eagle_for(ctx)
-    s = eagle_settings(ctx)
-    choices = static_tree(card, s["nodes"], depth=s["depth"])
-    return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=choices), gen)
+    head, vocab, card, latency, cost = eagle_for(ctx)
+    if "eagle_choices" not in ctx.extras:
+        s = eagle_settings(ctx)
+        ctx.extras["eagle_choices"] = eagle_static_tree(card, latency, cost, s["nodes"], s["depth"])
+    return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=ctx.extras["eagle_choices"]), gen)
 
 
 @method("eagle2", "EAGLE-2 dynamic tree (EAGLE_DEPTH, EAGLE_TOPK, EAGLE2_TOTAL nodes) on the same head, lossless")
 def _eagle2(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.eagle import EagleDrafter
 
-    head, vocab, _, latency = eagle_for(ctx)
+    head, vocab, _, latency, cost = eagle_for(ctx)
     s = eagle_settings(ctx)
     drafter = EagleDrafter(ctx.model, head, vocab, depth=s["depth"], top_k=s["top_k"], total_tokens=s["eagle2_total"],
-                           latency=latency)
+                           latency=latency, draft_cost=cost)
     return _spec(ctx, ids, drafter, gen)
 
 
@@ -373,7 +428,10 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                      "repeats": repeats, "prompts": len(prompts), "seed": seed, "methods": methods,
                      "gamma": ctx.extras.get("gamma", GAMMA),
                      **({"medusa_choices": [list(c) for c in ctx.extras["medusa"][2]]} if "medusa" in ctx.extras else {}),
-                     **({"eagle": {**eagle_settings(ctx), "latency_s": ctx.extras["eagle"][3]}}
+                     **({"latency_s": ctx.extras["latency"]} if "latency" in ctx.extras else {}),
+                     **({"eagle": {**eagle_settings(ctx), "draft_cost_s": ctx.extras["eagle"][4],
+                                   **({"static_choices": [list(c) for c in ctx.extras["eagle_choices"]]}
+                                      if "eagle_choices" in ctx.extras else {})}}
                         if "eagle" in ctx.extras else {}),
                      "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)"},
         "rows": rows,

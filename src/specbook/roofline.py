@@ -182,6 +182,39 @@ def profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: 
 # --------------------------------------------------------------------------- speculative speedup
 
 
+# --- tree sizing from the measured latency curve (Medusa / EAGLE 'auto' trees)
+
+
+def interp_latency(latency: dict[int, float], n: float) -> float:
+    """Seconds for a target forward over n tokens: piecewise-linear in the measured curve {k: seconds},
+    constant below its first point, proportional to n beyond its last."""
+    ks = sorted(latency)
+    if n <= ks[0]:
+        return latency[ks[0]]
+    for a, b in zip(ks, ks[1:]):
+        if n <= b:
+            return latency[a] + (latency[b] - latency[a]) * (n - a) / (b - a)
+    return latency[ks[-1]] * n / ks[-1]
+
+
+def step_rates(values: list[float], latency: dict[int, float], max_nodes: int, overhead: float = 0.0) -> list[float]:
+    """Expected tokens per second of a step keeping the k most confident nodes, for k = 1..max_nodes:
+    (1 + sum of the k largest ``values``) / (overhead + latency(k + 1)). ``values`` = path confidences
+    (an estimate of each node's acceptance probability), sorted descending; ``overhead`` = seconds the
+    step spends besides the target forward (drafting)."""
+    rates, acc = [], 1.0
+    for k, v in enumerate(values[:max_nodes], start=1):
+        acc += v
+        rates.append(acc / (overhead + interp_latency(latency, k + 1)))
+    return rates
+
+
+def auto_size(values: list[float], latency: dict[int, float], max_nodes: int, overhead: float = 0.0) -> int:
+    """k maximising step_rates (expected tokens per second), i.e. the tree size this machine pays for."""
+    rates = step_rates(values, latency, max_nodes, overhead)
+    return 1 + max(range(len(rates)), key=lambda i: (rates[i], -i)) if rates else 1
+
+
 def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     """Leviathan et al. eq. (1): E[tokens per target forward] = (1 - alpha^(gamma+1)) / (1 - alpha)."""
     if not 0 <= alpha <= 1:

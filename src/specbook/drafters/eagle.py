@@ -31,8 +31,12 @@ Deviations from the papers, and why:
 - Feature noise: uniform U(-noise, noise) on the input features (EAGLE: U(-0.1, 0.1)); our features
   have an RMS of ~1.9, comparable to the paper's scale.
 - Auto tree size (``total_tokens="auto"``): not in the papers. Per step, the tree keeps the k nodes
-  maximising (1 + sum of the k best path confidences) / latency(k + 1), with latency(k) the target's
-  measured forward latency curve (roofline.profile_latency_vs_k, notebook 00's cost model).
+  maximising (1 + sum of the k best path confidences) / (drafting time + latency(k + 1)), with
+  latency(k) the target's measured forward latency curve (roofline.profile_latency_vs_k, notebook
+  00's cost model) and the drafting time = draft forwards this step x the measured ``draft_cost``.
+  With ``draft_cost`` the expansion also stops before ``depth`` once one more draft forward cannot
+  raise that rate even if all the frontier's probability were accepted (``worth_expanding``): on hard
+  text (low confidence) the head stops after a depth or two instead of spending ``depth`` forwards.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch
 from torch import nn
 
 from ..decoding import Drafter, SpecState
+from ..roofline import auto_size, interp_latency, step_rates
 from ..verify import DraftTree
 from . import head_rows
 
@@ -196,6 +201,28 @@ class EagleObjective:
         return st
 
 
+@torch.inference_mode()
+def teacher_forced_top1(target, head: EagleHead, vocab: torch.Tensor | None, tokens: list[int]) -> torch.Tensor:
+    """hit [len(tokens)] bool: hit[t] = the head's top-1 guess for token t — reading the target's true features
+    f_0..f_{t-2} and tokens up to t-1, as the first draft token of a step that starts with t-1 committed —
+    equals the target's greedy token at t (hit[0] = hit[1] = False: no guess there).
+
+    Averaged over every position this is the held-out top-1 of training; averaged over the positions where
+    speculation steps actually started it is the first draft token's acceptance in the loop (T = 0)."""
+    W, vocab = head_rows(target.get_output_embeddings().weight, vocab)
+    dev = W.device
+    ids = torch.tensor([tokens], device=dev)
+    f = target(ids, output_hidden_states=True).hidden_states[-1]  # [1, T, H]
+    want = target.get_output_embeddings()(f[0]).argmax(-1)  # want[j] = the target's greedy token after position j
+    pred = head(target.get_input_embeddings()(ids[:, 1:]).to(W.dtype), f[:, :-1].to(W.dtype))[0]  # f^_{j+1}, j < T-1
+    guess = (pred @ W.T).argmax(-1)  # guess for token j + 2
+    if vocab is not None:
+        guess = vocab[guess]
+    hit = torch.zeros(len(tokens), dtype=torch.bool)
+    hit[2:] = (guess[:-1] == want[1:-1]).cpu()  # token t = j + 2 against the target's greedy token after t - 1
+    return hit
+
+
 def load_eagle(target, path) -> tuple[EagleHead, torch.Tensor | None, dict]:
     """Head (on the target's device and dtype), its vocabulary and the card; refuses a checkpoint made
     for another target (fingerprint), another architecture / layer count, or a corrupt file."""
@@ -245,26 +272,21 @@ def select_nodes(scores: list[float], parents: list[int], total: int) -> list[in
     return sorted(keep)
 
 
-def auto_size(values: list[float], latency: dict[int, float], max_nodes: int) -> int:
-    """k maximising (1 + sum of the k largest ``values``) / latency(k + 1): expected tokens per second of a
-    step whose tree holds the k most confident nodes (values = path confidences, sorted descending)."""
-    ks = sorted(latency)
+def worth_expanding(values: list[float], frontier_mass: float, latency: dict[int, float], max_nodes: int,
+                    overhead: float, draft_cost: float) -> bool:
+    """Early stop of EAGLE-2's expansion (not in the paper): is one more draft forward worth its time?
 
-    def lat(n):  # piecewise-linear interpolation of the measured curve, constant beyond its ends
-        if n <= ks[0]:
-            return latency[ks[0]]
-        for a, b in zip(ks, ks[1:]):
-            if n <= b:
-                return latency[a] + (latency[b] - latency[a]) * (n - a) / (b - a)
-        return latency[ks[-1]] * n / ks[-1]
-
-    best, best_k, acc = -1.0, 1, 1.0
-    for k, v in enumerate(values[:max_nodes], start=1):
-        acc += v
-        r = acc / lat(k + 1)
-        if r > best:
-            best, best_k = r, k
-    return best_k
+    The children of the frontier hold at most ``frontier_mass`` (the frontier's summed path confidence:
+    a node's children share its probability). Even if all of it joined the best tree and verification
+    cost nothing extra, the rate is at most max_k (1 + S_k + mass) / (overhead + draft_cost + latency(k + 1)).
+    Expand only if that beats the best rate of the tree already in hand; later depths hold no more mass
+    per forward, so a depth that cannot pay means none after it can."""
+    now = max(step_rates(values, latency, max_nodes, overhead), default=0.0)
+    best, acc = 0.0, 1.0 + frontier_mass
+    for k in range(1, max_nodes + 1):
+        acc += values[k - 1] if k <= len(values) else 0.0
+        best = max(best, acc / (overhead + draft_cost + interp_latency(latency, k + 1)))
+    return best > now
 
 
 @dataclass
@@ -289,7 +311,7 @@ class Pool:
                          confidence=torch.tensor([self.score[j] for j in keep]).exp())
 
 
-def grow_dynamic(lp_root: torch.Tensor, expand, depth: int, top_k: int, to_tokens=None) -> Pool:
+def grow_dynamic(lp_root: torch.Tensor, expand, depth: int, top_k: int, to_tokens=None, keep_going=None) -> Pool:
     """EAGLE-2's expansion phase.
 
     lp_root [V]: draft log-probabilities of the root's children. ``expand(pool, frontier)`` runs the
@@ -297,12 +319,15 @@ def grow_dynamic(lp_root: torch.Tensor, expand, depth: int, top_k: int, to_token
     depth 1: the root's top_k children. Each further depth: every frontier node gets its top_k
     children (all join the pool); the top_k of those by cumulative score form the next frontier.
     ``to_tokens`` maps head-vocabulary indices to token ids (reduced vocabularies).
+    ``keep_going(pool, frontier)``, if given, is asked before each expansion; False stops growing early.
     """
     to_tokens = to_tokens or (lambda idx: idx.tolist())
     pool = Pool()
     v, i = lp_root.topk(top_k)
     frontier = [pool.add(t, -1, float(s), 0) for t, s in zip(to_tokens(i), v.tolist())]
     for d in range(1, depth):
+        if keep_going is not None and not keep_going(pool, frontier):
+            break
         lp = expand(pool, frontier)  # [F, V]
         cv, ci = lp.topk(top_k, dim=-1)  # [F, k]
         cum = (cv + torch.tensor([pool.score[j] for j in frontier], device=cv.device)[:, None]).tolist()
@@ -318,9 +343,14 @@ def static_tree(card: dict, n_nodes: int, depth: int = 5) -> list[tuple[int, ...
     features keep per-depth acceptance roughly flat, unlike Medusa's heads."""
     from .medusa import sparse_tree
 
+    return sparse_tree(static_accuracy(card, depth), n_nodes)
+
+
+def static_accuracy(card: dict, depth: int) -> list[list[float]]:
+    """acc[d][c] for the static tree: the head's held-out step-1 rank accuracies, the same at every depth."""
     ev = card["heldout"]
     acc = [ev[f"acc_r{c}"] for c in range(sum(1 for k in ev if k.startswith("acc_r")))]
-    return sparse_tree([acc] * depth, n_nodes)
+    return [acc] * depth
 
 
 # --------------------------------------------------------------------------- drafter
@@ -335,13 +365,16 @@ class EagleDrafter(Drafter):
     depth, top_k  dynamic tree: drafting steps and children per expanded node
     total_tokens  dynamic tree: nodes kept after reranking, or "auto" (per step, from ``latency``)
     latency       {k: seconds} target forward latency curve (roofline.profile_latency_vs_k), for "auto"
+    draft_cost    seconds per draft forward (``measure_draft_cost``), for "auto": the step's drafting time joins
+                  the cost model, and the expansion stops early once another depth cannot pay (``worth_expanding``)
     """
 
     needs_hidden = True
 
     def __init__(self, target, head: EagleHead, vocab: torch.Tensor | None = None, *,
                  choices: list[tuple[int, ...]] | None = None, depth: int = 5, top_k: int = 4,
-                 total_tokens: int | str = 16, latency: dict[int, float] | None = None, max_auto: int = 64):
+                 total_tokens: int | str = 16, latency: dict[int, float] | None = None, max_auto: int = 64,
+                 draft_cost: float | None = None):
         W, self.vocab = head_rows(target.get_output_embeddings().weight, vocab)
         if next(head.parameters()).device != W.device:
             raise ValueError(f"the EAGLE head is on {next(head.parameters()).device} but the target is on {W.device}; "
@@ -374,7 +407,9 @@ class EagleDrafter(Drafter):
             self.depth, self.top_k = depth, top_k
         if self.top_k > W.shape[0]:
             raise ValueError(f"top_k {self.top_k} is above the head vocabulary ({W.shape[0]} tokens)")
-        self.total_tokens, self.latency, self.max_auto = total_tokens, latency, max_auto
+        if draft_cost is not None and not (isinstance(draft_cost, (int, float)) and draft_cost >= 0):
+            raise ValueError(f"draft_cost must be seconds >= 0 (measure_draft_cost), got {draft_cost!r}")
+        self.total_tokens, self.latency, self.max_auto, self.draft_cost = total_tokens, latency, max_auto, draft_cost
         self.forwards = 0
         self.cache, self.n_cached = None, 0
 
@@ -431,6 +466,35 @@ class EagleDrafter(Drafter):
         self.forwards += 1
         return out[0]
 
+    @torch.inference_mode()
+    def measure_draft_cost(self, context: int = 256, repeats: int = 5) -> float:
+        """Median seconds of one draft forward over ``top_k`` tree nodes (head + log-softmax over the head
+        vocabulary) after ``context`` cached positions: the ``draft_cost`` of the auto tree size."""
+        import time
+
+        from transformers import DynamicCache
+
+        from ..cache import crop_to
+
+        saved = (self.cache, self.n_cached)
+        H, k = self.W.shape[1], self.top_k
+        try:
+            self.cache = DynamicCache(config=self.head.model.config)
+            feats = torch.zeros(1, context, H, dtype=self.W.dtype, device=self.W.device)
+            self.head(self._embed([0] * context), feats, position_ids=torch.arange(context, device=self.W.device)[None],
+                      cache=self.cache)
+            self.n_cached = context
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up
+                t0 = time.perf_counter()
+                self._logp(self._expand([0] * k, feats[0, :k], 0, [[] for _ in range(k)], 0))
+                times.append(time.perf_counter() - t0)
+                crop_to(self.cache, context)
+        finally:
+            self.cache, self.n_cached = saved
+        self.forwards -= repeats + 1  # profiling is not drafting
+        return sorted(times[1:])[repeats // 2]
+
     def _ids(self, idx: torch.Tensor) -> list[int]:
         return (self.vocab[idx] if self.vocab is not None else idx).tolist()
 
@@ -438,6 +502,7 @@ class EagleDrafter(Drafter):
     def propose(self, state: SpecState) -> DraftTree:
         from ..cache import crop_to
 
+        self._step_start = self.forwards
         f_root = self._catch_up(state)
         lp = self._logp(f_root)  # [Vd]
         tree = self._static(lp, f_root) if self.static is not None else self._dynamic(lp, f_root)
@@ -464,9 +529,21 @@ class EagleDrafter(Drafter):
                 n_tree[0] += 1
             return self._logp(f)
 
-        pool = grow_dynamic(lp_root, expand, self.depth, self.top_k, to_tokens=self._ids)
-        if self.total_tokens == "auto":
-            total = auto_size(sorted((math.exp(s) for s in pool.score), reverse=True), self.latency, self.max_auto)
+        auto = self.total_tokens == "auto"
+        c = self.draft_cost or 0.0
+
+        def confidences(pool: Pool) -> list[float]:
+            return sorted((math.exp(s) for s in pool.score), reverse=True)
+
+        def keep_going(pool: Pool, frontier: list[int]) -> bool:
+            mass = sum(math.exp(pool.score[j]) for j in frontier)
+            return worth_expanding(confidences(pool), mass, self.latency, self.max_auto,
+                                   (self.forwards - self._step_start) * c, c)
+
+        pool = grow_dynamic(lp_root, expand, self.depth, self.top_k, to_tokens=self._ids,
+                            keep_going=keep_going if auto and self.draft_cost is not None else None)
+        if auto:
+            total = auto_size(confidences(pool), self.latency, self.max_auto, (self.forwards - self._step_start) * c)
         else:
             total = self.total_tokens
         return pool.tree(total)

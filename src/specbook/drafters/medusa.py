@@ -100,6 +100,23 @@ def chain_choices(depth: int) -> list[tuple[int, ...]]:
     return [(0,) * d for d in range(1, depth + 1)]
 
 
+def ranked_paths(acc: list[list[float]], n_nodes: int) -> list[tuple[tuple[int, ...], float]]:
+    """Medusa's sparse tree with each path's estimated acceptance, best first (see sparse_tree)."""
+    if n_nodes < 1:
+        raise ValueError(f"n_nodes must be >= 1, got {n_nodes}")
+    K, C = len(acc), len(acc[0])
+    chosen: list[tuple[tuple[int, ...], float]] = []
+    frontier = {(c,): acc[0][c] for c in range(C)}
+    while frontier and len(chosen) < n_nodes:
+        best = max(frontier, key=lambda c: (frontier[c], [-x for x in c]))
+        score = frontier.pop(best)
+        chosen.append((best, score))
+        if len(best) < K:
+            for c in range(C):
+                frontier[best + (c,)] = score * acc[len(best)][c]
+    return chosen
+
+
 def sparse_tree(acc: list[list[float]], n_nodes: int) -> list[tuple[int, ...]]:
     """Medusa's sparse tree: the ``n_nodes`` choice paths with the highest estimated acceptance.
 
@@ -107,19 +124,17 @@ def sparse_tree(acc: list[list[float]], n_nodes: int) -> list[tuple[int, ...]]:
     acceptance is estimated as the product along it (heads treated as independent, as in the paper).
     Greedy best-first expansion from the root keeps the result a valid tree.
     """
-    if n_nodes < 1:
-        raise ValueError(f"n_nodes must be >= 1, got {n_nodes}")
-    K, C = len(acc), len(acc[0])
-    chosen: list[tuple[int, ...]] = []
-    frontier = {(c,): acc[0][c] for c in range(C)}
-    while frontier and len(chosen) < n_nodes:
-        best = max(frontier, key=lambda c: (frontier[c], [-x for x in c]))
-        score = frontier.pop(best)
-        chosen.append(best)
-        if len(best) < K:
-            for c in range(C):
-                frontier[best + (c,)] = score * acc[len(best)][c]
-    return chosen
+    return [c for c, _ in ranked_paths(acc, n_nodes)]
+
+
+def auto_nodes(acc: list[list[float]], latency: dict[int, float], max_nodes: int = 64, overhead: float = 0.0) -> int:
+    """The sparse-tree size this machine pays for: the n maximising the expected accepted length
+    (1 + the n best paths' estimated acceptance) per second of (overhead + target latency(n + 1)), from the
+    measured latency curve (roofline.profile_latency_vs_k). The Medusa paper picks its tree the same way
+    (expected acceptance length vs measured latency per tree size) on its GPU; here it runs per machine."""
+    from ..roofline import auto_size
+
+    return auto_size([v for _, v in ranked_paths(acc, max_nodes)], latency, max_nodes, overhead)
 
 
 # --------------------------------------------------------------------------- drafter
