@@ -268,7 +268,8 @@ def eagle_for(ctx: BenchContext):
 
         head, vocab, card = load_eagle(ctx.model, CKPT_DIR / "eagle")
         s = eagle_settings(ctx)
-        cost = EagleDrafter(ctx.model, head, vocab, depth=s["depth"], top_k=s["top_k"]).measure_draft_cost()
+        cost = EagleDrafter(ctx.model, head, vocab, depth=s["depth"], top_k=s["top_k"],
+                            total_tokens=max(16, s["depth"])).measure_draft_cost()
         ctx.extras["eagle"] = (head, vocab, card, latency_for(ctx), cost)
     return ctx.extras["eagle"]
 
