@@ -45,3 +45,19 @@ def test_bench_cli_json_contract(tmp_path, real, monkeypatch):
     bench.main(["--methods", "ar", "--limit", "1", "--max-new-tokens", "4", "--dtype", "fp32", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["rows"][0]["method"] == "ar" and "command" in data["settings"]
+
+
+@pytest.mark.slow
+def test_bench_auto_trees_record_what_they_measured(real):
+    """medusa / eagle / eagle2 with "auto" sizes: the run measures the latency curve and the draft cost once,
+    sizes the static trees from them, and the JSON says what was used (so the numbers can be reproduced)."""
+    model, tok = real
+    res = bench.run_bench(["medusa", "eagle", "eagle2"], load_prompts("eval", limit=1), max_new_tokens=8, model=model,
+                          tokenizer=tok, progress=False)
+    s = res["settings"]
+    assert sorted(s["latency_s"]) == [1, 2, 4, 8, 16, 32, 64] and all(v > 0 for v in s["latency_s"].values())
+    assert s["eagle"]["nodes"] == bench.EAGLE_NODES == "auto" and s["eagle"]["draft_cost_s"] > 0
+    assert len(s["eagle"]["static_choices"]) >= 1 and len(s["medusa_choices"]) >= 1
+    assert max(len(c) for c in s["eagle"]["static_choices"]) <= bench.EAGLE_DEPTH
+    for r in res["rows"]:
+        assert r["tau"] >= 1.0 and r["new_tokens"] >= 8

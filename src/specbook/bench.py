@@ -251,11 +251,12 @@ def _medusa_typical(ctx: BenchContext, ids, mask, gen) -> RunStats:
 
 # ---------------------------------------------------------------- EAGLE (issue: EAGLE-1 / EAGLE-2)
 
-# Tree settings. depth / top_k: notebook 03's search on this model; tree sizes: "auto" = what the target's latency
+# Tree settings. depth / top_k: the best of a search on 6 eval prompts on the AMX machine (depth 6-10 x top_k 4-10,
+# auto size; notebook 03 repeats a smaller one); tree sizes: "auto" = what the target's latency
 # curve and the head's confidence pay for on the machine at hand, measured in the same run (an AVX2 CPU in fp32:
 # latency(k) jumps from 1 to 2 tokens, small trees; AMX in bf16: nearly flat to 32 tokens, large trees).
 EAGLE_NODES = "auto"  # eagle: static tree nodes (sparse tree from the head's rank accuracies), or "auto" (auto_nodes)
-EAGLE_DEPTH, EAGLE_TOPK = 6, 4  # drafting depth (static and dynamic) and children per expanded node (dynamic)
+EAGLE_DEPTH, EAGLE_TOPK = 8, 8  # drafting depth (static and dynamic) and children per expanded node (dynamic)
 EAGLE2_TOTAL = "auto"  # eagle2: nodes kept per step; "auto" = per step from the latency curve and the draft's cost
 
 
