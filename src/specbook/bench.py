@@ -187,8 +187,8 @@ def _hf_lookup(ctx: BenchContext, ids, mask, gen) -> RunStats:
 # ---------------------------------------------------------------- Medusa (issue: Medusa)
 
 MEDUSA_NODES = "auto"  # nodes of the sparse tree; "auto": the size the target's latency curve, measured in this run,
-# pays for (medusa.auto_nodes). On an AVX2 CPU (fp32) that gave 4 nodes (notebook 02's measured search agreed); on
-# a CPU with AMX (bf16) latency(k) is nearly flat to 32 tokens and the tree grows.
+# pays for (medusa.auto_nodes). On an AVX2 CPU (fp32) notebook 02's measured search found 4 nodes fastest; on a CPU
+# with AMX (bf16) latency(k) is nearly flat to 16-32 tokens and auto picks ~15 (README).
 
 
 def measure_latency(model) -> dict[int, float]:
@@ -252,7 +252,8 @@ def _medusa_typical(ctx: BenchContext, ids, mask, gen) -> RunStats:
 # ---------------------------------------------------------------- EAGLE (issue: EAGLE-1 / EAGLE-2)
 
 # Tree settings. depth / top_k: the best of a search on 6 eval prompts on the AMX machine (depth 6-10 x top_k 4-10,
-# auto size; notebook 03 repeats a smaller one); tree sizes: "auto" = what the target's latency
+# auto size; notebook 03's smaller search on 3 of them put depth 8 / top_k 4 ahead: at 3-6 prompts the two are
+# within noise); tree sizes: "auto" = what the target's latency
 # curve and the head's confidence pay for on the machine at hand, measured in the same run (an AVX2 CPU in fp32:
 # latency(k) jumps from 1 to 2 tokens, small trees; AMX in bf16: nearly flat to 32 tokens, large trees).
 EAGLE_NODES = "auto"  # eagle: static tree nodes (sparse tree from the head's rank accuracies), or "auto" (auto_nodes)
@@ -306,7 +307,7 @@ def preload_eagle(model, tokenizer) -> dict:
 
 @method("eagle", "EAGLE-1 head (data/checkpoints/eagle), static tree of EAGLE_NODES, lossless tree verification")
 def _eagle(ctx: BenchContext, ids, mask, gen) -> RunStats:
-    from .drafters.eagle import EagleDrafter, static_tree
+    from .drafters.eagle import EagleDrafter
 
     head, vocab, card, latency, cost = eagle_for(ctx)
     if "eagle_choices" not in ctx.extras:

@@ -280,7 +280,8 @@ def worth_expanding(values: list[float], frontier_mass: float, latency: dict[int
     a node's children share its probability). Even if all of it joined the best tree and verification
     cost nothing extra, the rate is at most max_k (1 + S_k + mass) / (overhead + draft_cost + latency(k + 1)).
     Expand only if that beats the best rate of the tree already in hand; later depths hold no more mass
-    per forward, so a depth that cannot pay means none after it can."""
+    per forward, so (up to the small growth of latency with the tree) a depth that cannot pay means none
+    after it can."""
     now = max(step_rates(values, latency, max_nodes, overhead), default=0.0)
     best, acc = 0.0, 1.0 + frontier_mass
     for k in range(1, max_nodes + 1):
