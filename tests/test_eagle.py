@@ -10,6 +10,7 @@ from specbook.drafters.eagle import (EagleDrafter, EagleHead, EagleObjective, gr
 from specbook.exactness import exact_first_two, logit_table, loop_first_two, tv, tv_bound
 from specbook.models import tiny_llama
 from specbook.roofline import auto_size
+from specbook.tree import depths
 from specbook.sampling import SamplingConfig, make_generator
 
 # --------------------------------------------------------------------------- the dynamic tree, by hand
@@ -234,10 +235,7 @@ def test_costly_drafting_stops_the_expansion_early(tiny_pair):
 
         def spy(state, propose=propose, seen=seen):
             tree = propose(state)
-            d = [0] * len(tree)
-            for i, par in enumerate(tree.parents.tolist()):
-                d[i] = d[par] + 1 if par >= 0 else 1
-            seen.append(max(d))
+            seen.append(int(depths(tree.parents).max()) + 1)  # tree.depths: children of the root have depth 0
             return tree
 
         drafter.propose = spy

@@ -208,28 +208,16 @@ def latency_for(ctx: BenchContext) -> dict[int, float]:
 def medusa_for(ctx: BenchContext):
     """The committed Medusa heads, their vocabulary and the tree's choice paths (built once per run)."""
     if "medusa" not in ctx.extras:
-        from .drafters.medusa import load_medusa
+        from .drafters.medusa import load_medusa, rank_accuracy, sized_sparse_tree
         from .train import CKPT_DIR
 
         heads, vocab, card = load_medusa(ctx.model, CKPT_DIR / "medusa")
         choices = ctx.extras.get("medusa_choices")
         if not choices:
             n = ctx.extras.get("medusa_nodes", MEDUSA_NODES)
-            choices = medusa_tree(card, latency_for(ctx) if n == "auto" else None, n)
+            choices = sized_sparse_tree(rank_accuracy(card), n, latency_for(ctx) if n == "auto" else None)
         ctx.extras["medusa"] = (heads, vocab, choices)
     return ctx.extras["medusa"]
-
-
-def medusa_tree(card: dict, latency: dict[int, float] | None, nodes: int | str = MEDUSA_NODES) -> list[tuple[int, ...]]:
-    """The Medusa sparse tree for these heads: ``nodes`` paths, or "auto" (the size ``latency`` pays for)."""
-    from .drafters.medusa import auto_nodes, rank_accuracy, sparse_tree
-
-    acc = rank_accuracy(card)
-    if nodes == "auto":
-        if not latency:
-            raise ValueError("nodes='auto' needs the target's latency curve (roofline.profile_latency_vs_k)")
-        nodes = auto_nodes(acc, latency)
-    return sparse_tree(acc, nodes)
 
 
 def _medusa_run(ctx: BenchContext, ids, gen, acceptance: str) -> RunStats:
@@ -287,14 +275,10 @@ def eagle_static_tree(card: dict, latency: dict[int, float] | None, draft_cost: 
                       depth: int = EAGLE_DEPTH) -> list[tuple[int, ...]]:
     """EAGLE-1's static tree: ``nodes`` paths ``depth`` deep, or "auto" (the size ``latency`` pays for, with the
     step's draft forwards — one per depth, ``draft_cost`` seconds each — as overhead)."""
-    from .drafters.eagle import static_accuracy, static_tree
-    from .drafters.medusa import auto_nodes
+    from .drafters.eagle import static_accuracy
+    from .drafters.medusa import sized_sparse_tree
 
-    if nodes == "auto":
-        if not latency:
-            raise ValueError("nodes='auto' needs the target's latency curve (roofline.profile_latency_vs_k)")
-        nodes = auto_nodes(static_accuracy(card, depth), latency, overhead=depth * draft_cost)
-    return static_tree(card, nodes, depth=depth)
+    return sized_sparse_tree(static_accuracy(card, depth), nodes, latency, overhead=depth * draft_cost)
 
 
 def preload_eagle(model, tokenizer) -> dict:

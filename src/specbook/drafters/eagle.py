@@ -477,7 +477,7 @@ class EagleDrafter(Drafter):
 
         from ..cache import crop_to
 
-        saved = (self.cache, self.n_cached)
+        saved = (self.cache, self.n_cached, self.forwards)  # profiling is not drafting: all restored below
         H, k = self.W.shape[1], self.top_k
         try:
             self.cache = DynamicCache(config=self.head.model.config)
@@ -492,8 +492,7 @@ class EagleDrafter(Drafter):
                 times.append(time.perf_counter() - t0)
                 crop_to(self.cache, context)
         finally:
-            self.cache, self.n_cached = saved
-        self.forwards -= repeats + 1  # profiling is not drafting
+            self.cache, self.n_cached, self.forwards = saved
         return sorted(times[1:])[repeats // 2]
 
     def _ids(self, idx: torch.Tensor) -> list[int]:
@@ -503,14 +502,14 @@ class EagleDrafter(Drafter):
     def propose(self, state: SpecState) -> DraftTree:
         from ..cache import crop_to
 
-        self._step_start = self.forwards
+        start = self.forwards  # this step's draft forwards = self.forwards - start
         f_root = self._catch_up(state)
         lp = self._logp(f_root)  # [Vd]
-        tree = self._static(lp, f_root) if self.static is not None else self._dynamic(lp, f_root)
+        tree = self._static(lp, f_root) if self.static is not None else self._dynamic(lp, f_root, start)
         crop_to(self.cache, self.n_cached)  # drop the tree: only committed positions stay
         return tree
 
-    def _dynamic(self, lp_root: torch.Tensor, f_root: torch.Tensor) -> DraftTree:
+    def _dynamic(self, lp_root: torch.Tensor, f_root: torch.Tensor, start: int) -> DraftTree:
         out_feat: dict[int, torch.Tensor] = {-1: f_root}  # pool index -> its predicted feature (children's input)
         slot: dict[int, int] = {}  # pool index -> append order in the draft cache
         n_tree = [0]
@@ -539,12 +538,12 @@ class EagleDrafter(Drafter):
         def keep_going(pool: Pool, frontier: list[int]) -> bool:
             mass = sum(math.exp(pool.score[j]) for j in frontier)
             return worth_expanding(confidences(pool), mass, self.latency, self.max_auto,
-                                   (self.forwards - self._step_start) * c, c)
+                                   (self.forwards - start) * c, c)
 
         pool = grow_dynamic(lp_root, expand, self.depth, self.top_k, to_tokens=self._ids,
                             keep_going=keep_going if auto and self.draft_cost is not None else None)
         if auto:
-            total = auto_size(confidences(pool), self.latency, self.max_auto, (self.forwards - self._step_start) * c)
+            total = auto_size(confidences(pool), self.latency, self.max_auto, (self.forwards - start) * c)
         else:
             total = self.total_tokens
         return pool.tree(total)

@@ -137,6 +137,16 @@ def auto_nodes(acc: list[list[float]], latency: dict[int, float], max_nodes: int
     return auto_size([v for _, v in ranked_paths(acc, max_nodes)], latency, max_nodes, overhead)
 
 
+def sized_sparse_tree(acc: list[list[float]], nodes: int | str, latency: dict[int, float] | None = None,
+                      overhead: float = 0.0) -> list[tuple[int, ...]]:
+    """sparse_tree of ``nodes`` paths, or of the size auto_nodes picks when ``nodes`` is "auto" (needs ``latency``)."""
+    if nodes == "auto":
+        if not latency:
+            raise ValueError("nodes='auto' needs the target's latency curve (roofline.profile_latency_vs_k)")
+        nodes = auto_nodes(acc, latency, overhead=overhead)
+    return sparse_tree(acc, nodes)
+
+
 # --------------------------------------------------------------------------- drafter
 
 
