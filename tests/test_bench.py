@@ -30,6 +30,14 @@ def test_prompt_set_shape():
     assert not {tuple(r["turns"]) for r in tr} & {tuple(r["turns"]) for r in ev}, "eval must never be trained on"
 
 
+def test_step_split_by_hand():
+    a = {"draft_seconds": 0.3, "verify_seconds": 1.2, "draft_forwards": 40, "steps": 20}
+    assert bench.step_split(a) == {"draft_ms_per_step": 15.0, "verify_ms_per_step": 60.0,
+                                   "draft_forwards_per_step": 2.0}
+    assert bench.step_split({**a, "steps": 0}) == {}  # a run that never stepped (EOS at once) has no split
+    assert bench.step_split({**a, "draft_seconds": None, "steps": None}) == {}  # a method outside our loop
+
+
 @pytest.mark.slow
 def test_bench_cli_json_contract(tmp_path, real, monkeypatch):
     model, tok = real
@@ -61,3 +69,8 @@ def test_bench_auto_trees_record_what_they_measured(real):
     assert max(len(c) for c in s["eagle"]["static_choices"]) <= bench.EAGLE_DEPTH
     for r in res["rows"]:
         assert r["tau"] >= 1.0 and r["new_tokens"] >= 8
+        if r["method"] == "ar":
+            assert "draft_ms_per_step" not in r  # not our speculative loop: no step split
+        else:  # the step split: every step runs the heads (Medusa) or at least the head's catch-up (EAGLE)
+            assert r["draft_ms_per_step"] > 0 and r["verify_ms_per_step"] > 0
+            assert r["draft_forwards_per_step"] >= 1.0

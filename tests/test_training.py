@@ -92,6 +92,31 @@ def _setup(tiny_target, corpus, tmp_path):
     return TrainData(corpus, store, seq_len=24, seed=0)
 
 
+def test_heldout_split_is_by_prompt(tiny_corpus, tiny_target, tmp_path):
+    """Two passes answer each prompt twice: both answers fall on the same side of the split. With one pass the
+    split is the one by record (the held-out set of the committed checkpoints is unchanged)."""
+    corpus, recs = tiny_corpus
+    one = _setup(tiny_target, corpus, tmp_path)
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(len(corpus), generator=g).tolist()
+    n_eval = max(1, int(len(corpus) * 0.03))
+    assert (one.heldout, one.train) == (perm[:n_eval], perm[n_eval:])
+    two_recs = recs + [(p, r[::-1], {**m, "pass": 1}) for p, r, m in recs]  # a second answer per prompt
+    write_corpus(tmp_path / "two", two_recs, vocab_size=48, target="tiny", fingerprint=fingerprint(tiny_target),
+                 settings={"toy": True})
+    two_c = load_corpus(tmp_path / "two")
+    two = TrainData(two_c, load_or_build(tiny_target, two_c, (-1,), root=tmp_path / "f2", progress=False), seq_len=24)
+    qid = [r["question_id"] for r in two_c.records]
+    assert sorted(two.heldout + two.train) == list(range(2 * len(recs)))
+    assert {qid[i] for i in two.heldout}.isdisjoint({qid[i] for i in two.train})
+    assert len(two.heldout) == 2 * n_eval
+    lone = [(recs[0][0], recs[0][1], recs[0][2]), (recs[0][0], recs[0][1][:5], {**recs[0][2], "pass": 1})]
+    write_corpus(tmp_path / "lone", lone, vocab_size=48, target="tiny", fingerprint=fingerprint(tiny_target),
+                 settings={"toy": True})
+    with pytest.raises(ValueError, match="at least 2 prompts"):
+        TrainData(load_corpus(tmp_path / "lone"), None, seq_len=24)
+
+
 def test_loop_drives_toy_drafter_below_bound(tiny_corpus, tiny_target, tmp_path):
     corpus, _ = tiny_corpus
     data = _setup(tiny_target, corpus, tmp_path)
@@ -179,6 +204,36 @@ def test_interrupted_generation_resumes_without_duplicates_or_gaps(tmp_path, tin
     assert [r["question_id"] for r in a.records] == [r["question_id"] for r in b.records]
     assert len({r["question_id"] for r in b.records}) == 10  # no duplicates, no gaps
     assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+
+
+def test_more_passes_on_a_clean_clone_reuse_the_finalized_corpus(tmp_path, tiny_target, monkeypatch):
+    """A clean clone holds the committed corpus but no .work shards: --passes 2 must generate pass 1 only and keep
+    pass 0's records as they are."""
+    import shutil
+
+    from specbook import corpus as C
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": f"q{i}", "category": "toy", "turns": ["y" * (2 + i % 5) + str(i)]})
+                               + "\n" for i in range(7)))
+    s1 = C.CorpusSettings(target="tiny", prompts=str(prompts), max_new_tokens=5, batch=3, dtype="fp32", max_prompt_tokens=64)
+    kw = dict(limit=None, progress=False, model=tiny_target, tokenizer=ToyTok())
+    C.generate_corpus(s1, tmp_path / "c", **kw)
+    one = load_corpus(tmp_path / "c")
+    shutil.rmtree(tmp_path / "c" / ".work")  # what a clone sees
+    calls = []
+    import specbook.decoding as D  # generate_corpus imports decoding.generate at call time: count the calls there
+
+    orig = D.generate
+    monkeypatch.setattr(D, "generate", lambda *a, **k: calls.append(k["sampling"].temperature) or orig(*a, **k))
+    C.generate_corpus(C.CorpusSettings(**{**s1.__dict__, "passes": 2}), tmp_path / "c", **kw)
+    two = load_corpus(tmp_path / "c")
+    assert calls == [s1.later_pass_temperature] * 3  # 3 batches of pass 1 generated, none of pass 0
+    assert [r["pass"] for r in two.records] == [0] * 7 + [1] * 7
+    for i in range(7):  # pass 0 kept token for token
+        assert two.records[i] == one.records[i]
+        assert np.array_equal(two.sequence(i), one.sequence(i))
+    assert sorted(r["question_id"] for r in two.records[7:]) == sorted(r["question_id"] for r in one.records)
 
 
 def test_empty_prompt_file_is_a_clear_error(tmp_path, tiny_target):

@@ -35,6 +35,11 @@ class RunStats:
     new_tokens: int
     seconds: float
     target_forwards: int | None  # None where the method does not expose it (transformers' own loops)
+    # our speculative loop's own split of its decoding steps (SpecStats); None for the other methods
+    draft_seconds: float | None = None  # drafter.propose, summed over steps
+    verify_seconds: float | None = None  # target forward + verification + cache compaction, summed over steps
+    draft_forwards: int | None = None  # the drafter's own forwards (draft model / head passes)
+    steps: int | None = None  # draft-verify steps (target forwards after the prefill)
 
 
 @dataclass
@@ -125,7 +130,9 @@ def _spec(ctx: BenchContext, ids, drafter, gen, acceptance: str = "exact") -> Ru
     res, dt = _timed(lambda: speculative_generate(ctx.model, drafter, ids, max_new_tokens=ctx.max_new_tokens,
                                                   sampling=ctx.sampling, generator=gen, acceptance=acceptance,
                                                   eos_token_id=ctx.tokenizer.eos_token_id))
-    return RunStats(res.stats.new_tokens, dt, res.stats.target_forwards)
+    st = res.stats
+    return RunStats(st.new_tokens, dt, st.target_forwards, st.draft_time, st.verify_time, st.draft_forwards,
+                    len(st.step_times))
 
 
 @method("sps", "speculative sampling with the distilled draft model (data/checkpoints/draft_model), gamma=GAMMA")
@@ -338,6 +345,21 @@ def _peak_mem_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+SPLIT = ("draft_seconds", "verify_seconds", "draft_forwards", "steps")
+
+
+def step_split(a: dict) -> dict:
+    """Where a speculative method's draft-verify steps spend their time, per step: ms drafting, ms verifying
+    (target forward + verification + cache compaction), draft forwards. Empty for methods without our loop's
+    counters (ar, transformers' loops)."""
+    steps = a.get("steps")
+    if not steps:
+        return {}
+    return {"draft_ms_per_step": round(1e3 * a["draft_seconds"] / steps, 2),
+            "verify_ms_per_step": round(1e3 * a["verify_seconds"] / steps, 2),
+            "draft_forwards_per_step": round(a["draft_forwards"] / steps, 2)}
+
+
 def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smollm2-135m-instruct",
               dtype: str = "fast", device: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int | None = None, repeats: int = 1, seed: int = 0,
@@ -366,8 +388,8 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
     warm = BenchContext(model=model, tokenizer=tokenizer, sampling=sampling, max_new_tokens=8, extras=ctx.extras)
     for m in methods:
         METHODS[m](warm, *encoded[0], torch.Generator().manual_seed(seed) if not sampling.greedy else None)
-    tot = defaultdict(lambda: {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0})
-    cat = defaultdict(lambda: {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0})
+    tot = defaultdict(lambda: {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0, **dict.fromkeys(SPLIT, 0)})
+    cat = defaultdict(lambda: {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0, **dict.fromkeys(SPLIT, 0)})
     mem = {}
     bar = tqdm(total=repeats * len(prompts) * len(methods), desc="bench", disable=not progress)
     for r in range(repeats):
@@ -386,6 +408,9 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                         acc["target_forwards"] = None
                     elif acc["target_forwards"] is not None:
                         acc["target_forwards"] += s.target_forwards
+                    for f in SPLIT:
+                        v = getattr(s, f)
+                        acc[f] = None if v is None or acc[f] is None else acc[f] + v
                 bar.update(1)
     bar.close()
 
@@ -395,7 +420,7 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                 "tau": round(a["new_tokens"] / max(a["target_forwards"], 1), 3) if a["target_forwards"] is not None else None,
                 "speedup": round(tps / base, 3) if base else None,
                 "target_forwards": a["target_forwards"], "new_tokens": a["new_tokens"],
-                "seconds": round(a["seconds"], 3)}
+                "seconds": round(a["seconds"], 3), **step_split(a)}
 
     base = tot["ar"]["new_tokens"] / tot["ar"]["seconds"]
     rows = []
@@ -427,10 +452,11 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
 
 
 def markdown_table(result: dict) -> str:
-    cols = ["method", "tokens_per_s", "speedup", "tau", "target_forwards", "new_tokens", "peak_mem_mb"]
+    cols = ["method", "tokens_per_s", "speedup", "tau", "target_forwards", "new_tokens", "peak_mem_mb",
+            "draft_ms_per_step", "verify_ms_per_step"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in result["rows"]:
-        lines.append("| " + " | ".join(str(r[c]) for c in cols) + " |")
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
     return "\n".join(lines)
 
 

@@ -120,6 +120,9 @@ def generate_corpus(settings: CorpusSettings, out_dir: Path = CORPUS_DIR, limit:
     work = out_dir / ".work" / key
     work.mkdir(parents=True, exist_ok=True)
     jobs = [(p, b) for p in range(settings.passes) for b in range(len(batches))]
+    restored = restore_shards(out_dir, key, items, batches, jobs, work, settings, fp, limit)
+    if restored:
+        print(f"[corpus] reused {restored} finished batches from the corpus in {out_dir}", file=sys.stderr)
     todo = [(p, b) for p, b in jobs if not (work / f"p{p}_b{b:05d}.npz").exists()]
     t_start = time.perf_counter()
     made = done_now = 0
@@ -133,10 +136,7 @@ def generate_corpus(settings: CorpusSettings, out_dir: Path = CORPUS_DIR, limit:
         res = generate(model, ids.to(model.device), mask.to(model.device), max_new_tokens=settings.max_new_tokens,
                        sampling=cfg, generator=gen, eos_token_id=tok.eos_token_id)
         made += res.stats.new_tokens
-        resp = [np.asarray(r, dtype=np.int64) for r in res.tokens]
-        _atomic_save_npz(work / f"p{p}_b{b:05d}.npz", item=np.asarray(idx, dtype=np.int64),
-                         lens=np.asarray([len(r) for r in resp], dtype=np.int64),
-                         resp=np.concatenate(resp) if resp else np.zeros(0, np.int64))
+        _save_shard(work / f"p{p}_b{b:05d}.npz", idx, res.tokens)
         bar.update(1)
         bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t_start):.0f}")
         done_now += 1
@@ -146,6 +146,44 @@ def generate_corpus(settings: CorpusSettings, out_dir: Path = CORPUS_DIR, limit:
     bar.close()
     gen_seconds = time.perf_counter() - t_start
     return finalize(settings, items, jobs, work, out_dir, fp, skipped, gen_seconds, tok)
+
+
+def _save_shard(path: Path, idx: list[int], resp: list) -> None:
+    resp = [np.asarray(r, dtype=np.int64) for r in resp]
+    _atomic_save_npz(path, item=np.asarray(idx, dtype=np.int64), lens=np.asarray([len(r) for r in resp], dtype=np.int64),
+                     resp=np.concatenate(resp) if resp else np.zeros(0, np.int64))
+
+
+def restore_shards(out_dir: Path, key: str, items, batches, jobs, work: Path, settings, fp: str,
+                   limit: int | None) -> int:
+    """Rebuild missing shards from the corpus already finalized in ``out_dir`` when it was made with the same
+    key (target fingerprint + settings except ``passes``): a clean clone has the committed corpus but no
+    ``.work``, and ``--passes 2`` should then generate pass 1 only. A shard is restored only if every one of
+    its prompts has a record of that pass with the same prompt ids; anything else is generated."""
+    if limit or not (Path(out_dir) / "manifest.json").exists():
+        return 0
+    try:
+        old = load_corpus(Path(out_dir))
+        same = CorpusSettings(**{k: v for k, v in old.manifest["settings"].items()
+                                 if k in CorpusSettings.__dataclass_fields__}).key(old.manifest["target_fingerprint"])
+    except (CorpusError, TypeError, KeyError):
+        return 0  # unreadable or of another kind: generate everything
+    if same != key or old.manifest["target_fingerprint"] != fp:
+        return 0
+    where = {(r["question_id"], r.get("pass", 0)): i for i, r in enumerate(old.records)}
+    n = 0
+    for p, b in jobs:
+        path = work / f"p{p}_b{b:05d}.npz"
+        rows = [where.get((items[i][0]["question_id"], p)) for i in batches[b]]
+        if path.exists() or None in rows:
+            continue
+        seqs = [old.sequence(r).tolist() for r in rows]
+        pls = [old.prompt_len(r) for r in rows]
+        if any(seq[:pl] != items[i][1] for seq, pl, i in zip(seqs, pls, batches[b])):
+            continue
+        _save_shard(path, batches[b], [seq[pl:] for seq, pl in zip(seqs, pls)])
+        n += 1
+    return n
 
 
 def finalize(settings, items, jobs, work: Path, out_dir: Path, fp: str, skipped: int, gen_seconds: float, tok) -> dict:

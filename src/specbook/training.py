@@ -39,16 +39,25 @@ class Batch:
 
 
 class TrainData:
-    """Random windows over corpus records, split into train / held-out records by a fixed rule."""
+    """Random windows over corpus records, split into train / held-out records by a fixed rule.
+
+    The split is by *prompt* (``question_id``): a corpus with several passes holds several answers to one
+    prompt, and they all fall on the same side, so the held-out numbers never read an answer to a prompt
+    the drafter trained on. For a one-pass corpus this is the same split as one by record."""
 
     def __init__(self, corpus, store, seq_len: int = 256, heldout_fraction: float = 0.03, seed: int = 0):
-        if len(corpus) < 2:
-            raise ValueError("the corpus needs at least 2 records (train + held-out)")
+        groups: dict = {}  # prompt -> its records, prompts in order of first appearance
+        for i, r in enumerate(corpus.records):
+            groups.setdefault(r.get("question_id", f"#{i}"), []).append(i)
+        if len(groups) < 2:
+            raise ValueError(f"the corpus needs records of at least 2 prompts (train + held-out), got {len(groups)}")
         self.corpus, self.store, self.seq_len = corpus, store, seq_len
+        keys = list(groups)
         g = torch.Generator().manual_seed(seed)
-        perm = torch.randperm(len(corpus), generator=g).tolist()
-        n_eval = max(1, int(len(corpus) * heldout_fraction))
-        self.heldout, self.train = perm[:n_eval], perm[n_eval:]
+        perm = torch.randperm(len(keys), generator=g).tolist()
+        n_eval = max(1, int(len(keys) * heldout_fraction))
+        self.heldout = [i for k in perm[:n_eval] for i in groups[keys[k]]]
+        self.train = [i for k in perm[n_eval:] for i in groups[keys[k]]]
 
     def _window(self, rec: int, g: torch.Generator) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
         off, pl, rl = (int(x) for x in self.corpus.index[rec])
