@@ -150,6 +150,41 @@ class _CheckedDrafter(EagleDrafter):
         return out
 
 
+def _head_calls(head, dtype):
+    """Drafting-shaped calls with a cache: a causal catch-up of 5 positions, a 3-node tree block (node 2 a child
+    of node 0) with its 4D mask, one more token. -> outputs and the cache's keys / values."""
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(0)
+    H = head.hidden
+    x = lambda n: torch.randn(1, n, H, generator=g).to(dtype)  # noqa: E731
+    cache = DynamicCache(config=head.model.config)
+    outs = [head(x(5), x(5), position_ids=torch.arange(5)[None], cache=cache)]
+    allowed = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+    outs.append(head(x(3), x(3), position_ids=torch.tensor([[5, 5, 6]]), attention_mask=mask, cache=cache))
+    outs.append(head(x(1), x(1), position_ids=torch.tensor([[8]]), cache=cache))
+    layer = cache.layers[0]
+    return outs, (layer.keys, layer.values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_fast_path_equals_the_transformers_layer(tiny_pair, dtype):
+    """Drafting skips transformers' model wrapper (EagleHead._cached_llama); outputs and cache equal the
+    wrapper's bit for bit — same modules, same operations, same order."""
+    import copy
+
+    _, head = tiny_pair
+    h = copy.deepcopy(head).to(dtype)
+    assert h.fast_path
+    with torch.inference_mode():
+        fast, fast_kv = _head_calls(h, dtype)
+        h.fast_path = False
+        ref, ref_kv = _head_calls(h, dtype)
+    for a, b in zip(fast + list(fast_kv), ref + list(ref_kv)):
+        assert a.shape == b.shape and torch.equal(a, b), (a - b).abs().max()
+
+
 def test_draft_cache_equals_recomputation(tiny_pair):
     tgt, head = tiny_pair
     drafter = _CheckedDrafter(tgt, head, depth=3, top_k=2, total_tokens=6)
