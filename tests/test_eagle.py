@@ -76,6 +76,11 @@ def test_static_tree_from_rank_accuracy():
     card = {"heldout": {"acc_r0": 0.6, "acc_r1": 0.2}, "config": {}}
     # per depth the same rank accuracies: (0)=.6 (0,0)=.36 (1)=.2 (0,0,0)=.216 ...
     assert static_tree(card, 4, depth=3) == [(0,), (0, 0), (0, 0, 0), (1,)]
+    # sampling: the soft accuracies E[p(c-th guess)] decide; a card without them falls back to acc_r
+    assert static_tree(card, 4, depth=3, temperature=1.0) == static_tree(card, 4, depth=3)
+    card["heldout"].update({"soft_r0": 0.3, "soft_r1": 0.25})  # (0)=.3 (1)=.25 (0,0)=.09 (0,1)=.075
+    assert static_tree(card, 4, depth=3, temperature=1.0) == [(0,), (1,), (0, 0), (0, 1)]
+    assert static_tree(card, 4, depth=3, temperature=0.0) == [(0,), (0, 0), (0, 0, 0), (1,)]
 
 
 # --------------------------------------------------------------------------- the drafter on a tiny model
@@ -322,7 +327,16 @@ def test_objective_learns_and_checkpoint_checks(tmp_path, tiny, tiny_feature_bat
     first, last = fit(obj, batch, lr=3e-3)
     assert last < 0.7 * first
     ev = obj.evaluate(batch, topk=3)
-    assert {"top1", "top3", "acc_r2", "top1_step2", "mean_top1"} <= set(ev)
+    assert {"top1", "top3", "acc_r2", "soft_r2", "top1_step2", "mean_top1"} <= set(ev)
+    # soft_r{c} = E[p(c-th guess)]: the three guesses are distinct tokens, so their probabilities sum to <= 1
+    assert all(0 <= ev[f"soft_r{c}"] <= 1 for c in range(3)) and sum(ev[f"soft_r{c}"] for c in range(3)) <= 1 + 1e-6
+    with torch.no_grad():  # by hand: the target's T=1 probability of the head's top guess, averaged
+        f = batch.feats[:, :, 0, :].float()
+        m = batch.mask[:, 1:]
+        pred = obj._predict(batch, 0.0)[m]
+        guess = obj.vocab[(pred @ obj.W.T).argmax(-1)]
+        p = torch.softmax(f[:, 1:][m] @ obj.W_full.T, -1)
+        assert ev["soft_r0"] == pytest.approx(float(p.gather(-1, guess[:, None]).mean()), rel=1e-5)
 
     card = {"kind": "eagle", "config": obj.card_config(), "target": "tiny", "target_fingerprint": fingerprint(tiny),
             "heldout": ev}

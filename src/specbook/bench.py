@@ -279,13 +279,14 @@ def eagle_settings(ctx: BenchContext) -> dict:
 
 
 def eagle_static_tree(card: dict, latency: dict[int, float] | None, draft_cost: float, nodes: int | str = EAGLE_NODES,
-                      depth: int = EAGLE_DEPTH) -> list[tuple[int, ...]]:
+                      depth: int = EAGLE_DEPTH, temperature: float = 0.0) -> list[tuple[int, ...]]:
     """EAGLE-1's static tree: ``nodes`` paths ``depth`` deep, or "auto" (the size ``latency`` pays for, with the
-    step's draft forwards — one per depth, ``draft_cost`` seconds each — as overhead)."""
+    step's draft forwards — one per depth, ``draft_cost`` seconds each — as overhead), from the head's rank
+    accuracies at the run's temperature (eagle.static_accuracy)."""
     from .drafters.eagle import static_accuracy
     from .drafters.medusa import sized_sparse_tree
 
-    return sized_sparse_tree(static_accuracy(card, depth), nodes, latency, overhead=depth * draft_cost)
+    return sized_sparse_tree(static_accuracy(card, depth, temperature), nodes, latency, overhead=depth * draft_cost)
 
 
 def preload_eagle(model, tokenizer) -> dict:
@@ -303,7 +304,8 @@ def _eagle(ctx: BenchContext, ids, mask, gen) -> RunStats:
     head, vocab, card, latency, cost = eagle_for(ctx)
     if "eagle_choices" not in ctx.extras:
         s = eagle_settings(ctx)
-        ctx.extras["eagle_choices"] = eagle_static_tree(card, latency, cost, s["nodes"], s["depth"])
+        ctx.extras["eagle_choices"] = eagle_static_tree(card, latency, cost, s["nodes"], s["depth"],
+                                                        ctx.sampling.temperature)
     return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=ctx.extras["eagle_choices"]), gen)
 
 

@@ -190,11 +190,13 @@ class EagleObjective:
                                                              "top1": top1}
 
     def _hits(self, pred, tgt, topk: int):
-        want = (tgt @ self.W_full.T).argmax(-1)  # the target's greedy token (full vocabulary)
+        """-> hit [M, topk] (the head's c-th guess is the target's greedy token) and p_top [M, topk] (the target's
+        T = 1 probability of the c-th guess: the chance a one-hot pick of it is accepted when sampling)."""
+        logits = tgt @ self.W_full.T  # [M, V] the target's logits (full vocabulary)
         top = (pred @ self.W.T).topk(topk, -1).indices
         if self.vocab is not None:
             top = self.vocab.to(top.device)[top]
-        return top == want[:, None]  # [M, topk]
+        return top == logits.argmax(-1)[:, None], torch.softmax(logits, -1).gather(-1, top)
 
     def evaluate(self, batch, topk: int = 10):
         """Held-out: rank accuracies of the drafted token against the target's greedy token.
@@ -207,18 +209,20 @@ class EagleObjective:
         f = batch.feats[:, :, self.fi, :].float()
         m = batch.mask[:, 1:]
         pred1 = self._predict(batch, 0.0)  # [B, S-1, H]: f^_{j+1}
-        hit = self._hits(pred1[m], f[:, 1:][m], topk)
+        hit, p_top = self._hits(pred1[m], f[:, 1:][m], topk)
         res["top1"] = float(hit[:, 0].float().mean())
         res[f"top{topk}"] = float(hit.any(-1).float().mean())
         for c in range(topk):
             res[f"acc_r{c}"] = float(hit[:, c].float().mean())
+        for c in range(topk):  # what a static tree's rank-c child is worth when the loop samples at T = 1
+            res[f"soft_r{c}"] = float(p_top[:, c].mean())
         res["feat_l1"] = float(nn.functional.smooth_l1_loss(pred1[m], f[:, 1:][m]))
         # step 2: inputs (e(x_{j+2}), f^_{j+1}) -> f^_{j+2}, scored against f_{j+2}
         f2 = torch.cat([f[:, :1], pred1], dim=1)  # position j holds f^_j (j >= 1)
         pred2 = self._predict(batch, 0.0, feats=f2)
         m2 = m.clone()
         m2[:, 0] = False  # position 0 has no predicted input
-        hit2 = self._hits(pred2[m2], f[:, 1:][m2], 1)
+        hit2, _ = self._hits(pred2[m2], f[:, 1:][m2], 1)
         res["top1_step2"] = float(hit2[:, 0].float().mean())
         res["mean_top1"] = 0.5 * (res["top1"] + res["top1_step2"])
         return res
@@ -372,19 +376,24 @@ def grow_dynamic(lp_root: torch.Tensor, expand, depth: int, top_k: int, to_token
     return pool
 
 
-def static_tree(card: dict, n_nodes: int, depth: int = 5) -> list[tuple[int, ...]]:
+def static_tree(card: dict, n_nodes: int, depth: int = 5, temperature: float = 0.0) -> list[tuple[int, ...]]:
     """An EAGLE-1 static tree for this head: Medusa's sparse-tree construction (medusa.sparse_tree) with
-    the head's held-out rank accuracies (card ``acc_r{c}``, step 1) used at every depth — EAGLE's
-    features keep per-depth acceptance roughly flat, unlike Medusa's heads."""
+    the head's held-out rank accuracies (static_accuracy) used at every depth — EAGLE's features keep
+    per-depth acceptance roughly flat, unlike Medusa's heads."""
     from .medusa import sparse_tree
 
-    return sparse_tree(static_accuracy(card, depth), n_nodes)
+    return sparse_tree(static_accuracy(card, depth, temperature), n_nodes)
 
 
-def static_accuracy(card: dict, depth: int) -> list[list[float]]:
-    """acc[d][c] for the static tree: the head's held-out step-1 rank accuracies, the same at every depth."""
+def static_accuracy(card: dict, depth: int, temperature: float = 0.0) -> list[list[float]]:
+    """acc[d][c] for the static tree, the same at every depth: the head's held-out step-1 rank accuracies.
+
+    Greedy (temperature 0): P(the c-th guess is the target's argmax), card ``acc_r{c}``. Sampling: a one-hot
+    pick x is accepted with probability p(x), so the c-th guess is worth E[p(x_c)], card ``soft_r{c}``
+    (measured at T = 1, used for every T > 0 as an approximation; cards from before it fall back to acc_r)."""
     ev = card["heldout"]
-    acc = [ev[f"acc_r{c}"] for c in range(sum(1 for k in ev if k.startswith("acc_r")))]
+    key = "soft_r" if temperature > 0 and "soft_r0" in ev else "acc_r"
+    acc = [ev[f"{key}{c}"] for c in range(sum(1 for k in ev if k.startswith(key)))]
     return [acc] * depth
 
 
