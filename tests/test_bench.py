@@ -38,6 +38,13 @@ def test_step_split_by_hand():
     assert bench.step_split({**a, "draft_seconds": None, "steps": None}) == {}  # a method outside our loop
 
 
+def test_monotone_latency_by_hand():
+    # stop 10's curve had 8 tokens slower than 16; the dip is raised, nothing else moves
+    lat = {1: 45.8, 2: 49.9, 4: 49.9, 8: 55.7, 16: 54.7, 32: 63.6}
+    assert bench.monotone_latency(lat) == {1: 45.8, 2: 49.9, 4: 49.9, 8: 55.7, 16: 55.7, 32: 63.6}
+    assert bench.monotone_latency({4: 2.0, 1: 3.0}) == {1: 3.0, 4: 3.0}  # keys in any order
+
+
 @pytest.mark.slow
 def test_bench_cli_json_contract(tmp_path, real, monkeypatch):
     model, tok = real
@@ -67,6 +74,13 @@ def test_bench_auto_trees_record_what_they_measured(real):
     assert s["eagle"]["nodes"] == bench.EAGLE_NODES == "auto" and s["eagle"]["draft_cost_s"] > 0
     assert len(s["eagle"]["static_choices"]) >= 1 and len(s["medusa_choices"]) >= 1
     assert max(len(c) for c in s["eagle"]["static_choices"]) <= bench.EAGLE_DEPTH
+    lat = [s["latency_s"][k] for k in sorted(s["latency_s"])]
+    assert lat == sorted(lat)  # made non-decreasing in k (bench.monotone_latency)
+    from specbook.drafters.eagle import confidence_calibration, load_eagle
+    from specbook.train import CKPT_DIR
+
+    # eagle2's calibration is the committed card's (held-out top-1 hit rate / top-1 confidence): the head is underconfident
+    assert s["eagle"]["eagle2_calibration"] == confidence_calibration(load_eagle(model, CKPT_DIR / "eagle")[2]) > 1.0
     for r in res["rows"]:
         assert r["tau"] >= 1.0 and r["new_tokens"] >= 8
         if r["method"] == "ar":

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from specbook.decoding import generate, speculative_generate
-from specbook.drafters.eagle import (EagleDrafter, EagleHead, EagleObjective, grow_dynamic, load_eagle, select_nodes,
-                                     static_tree, worth_expanding)
+from specbook.drafters.eagle import (EagleDrafter, EagleHead, EagleObjective, confidence_calibration, grow_dynamic,
+                                     load_eagle, select_nodes, static_tree, worth_expanding)
 from specbook.exactness import exact_first_two, logit_table, loop_first_two, tv, tv_bound
 from specbook.models import tiny_llama
 from specbook.roofline import auto_size
@@ -285,6 +285,32 @@ def test_costly_drafting_stops_the_expansion_early(tiny_pair):
     assert depth_of[0.0] == 4
 
 
+def test_confidence_calibration_from_the_card():
+    card = {"heldout": {"top1": 0.6, "conf_r0": 0.4, "soft_r0": 0.3}}
+    assert confidence_calibration(card) == pytest.approx(1.5)  # greedy: top-1 hit rate / top-1 confidence
+    assert confidence_calibration(card, temperature=1.0) == pytest.approx(0.75)  # sampling: E[p(guess)] / confidence
+    assert confidence_calibration({"heldout": {"top1": 0.6}}) == 1.0  # an older card: the paper's conf = acceptance
+
+
+def test_calibration_moves_the_auto_tree_size(tiny_pair):
+    """The auto size reads calibration x confidence: valued higher, nodes pay for more verification (and
+    valued lower, fewer) on the same head, prompt and latency curve; the output stays the target's greedy."""
+    tgt, head = tiny_pair
+    ids = torch.tensor([[1, 4, 2, 9]])
+    lat = {1: 1.0, 4: 1.3, 16: 2.5, 64: 8.0}
+    ar = generate(tgt, ids, max_new_tokens=12, eos_token_id=-1).tokens[0]
+    sizes = {}
+    for cal in (0.3, 1.0, 3.0):
+        drafter = EagleDrafter(tgt, head, depth=3, top_k=3, total_tokens="auto", latency=lat, calibration=cal)
+        seen = []
+        propose = drafter.propose
+        drafter.propose = lambda state, propose=propose, seen=seen: (lambda t: (seen.append(len(t)), t)[1])(propose(state))
+        assert speculative_generate(tgt, drafter, ids, max_new_tokens=12, eos_token_id=-1).tokens[0] == ar
+        sizes[cal] = seen[0]  # the first step: the same state for every calibration
+    print(sizes)
+    assert sizes[0.3] < sizes[1.0] < sizes[3.0]
+
+
 def test_measure_draft_cost_leaves_the_drafter_as_it_was(tiny_pair):
     tgt, head = tiny_pair
     drafter = EagleDrafter(tgt, head, depth=3, top_k=2, total_tokens=6)
@@ -311,6 +337,8 @@ def test_bad_input(tiny_pair):
         EagleDrafter(tgt, head, top_k=13, total_tokens=16)
     with pytest.raises(ValueError, match="draft_cost"):
         EagleDrafter(tgt, head, total_tokens="auto", latency={1: 1.0}, draft_cost=-1.0)
+    with pytest.raises(ValueError, match="calibration"):
+        EagleDrafter(tgt, head, total_tokens="auto", latency={1: 1.0}, calibration=0.0)
     wide = tiny_llama(vocab_size=VOCAB, hidden_size=64, seed=3)
     with pytest.raises(ValueError, match="another target"):
         EagleDrafter(wide, head)
@@ -337,6 +365,10 @@ def test_objective_learns_and_checkpoint_checks(tmp_path, tiny, tiny_feature_bat
         guess = obj.vocab[(pred @ obj.W.T).argmax(-1)]
         p = torch.softmax(f[:, 1:][m] @ obj.W_full.T, -1)
         assert ev["soft_r0"] == pytest.approx(float(p.gather(-1, guess[:, None]).mean()), rel=1e-5)
+        # conf_r0: the draft's own probability of its top guess (softmax over the head's vocabulary), averaged
+        q = torch.softmax(pred @ obj.W.T, -1)
+        assert ev["conf_r0"] == pytest.approx(float(q.max(-1).values.mean()), rel=1e-5)
+        assert float(q.max(-1).values.min()) >= 1 / len(obj.vocab)
 
     card = {"kind": "eagle", "config": obj.card_config(), "target": "tiny", "target_fingerprint": fingerprint(tiny),
             "heldout": ev}

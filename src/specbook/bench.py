@@ -199,10 +199,21 @@ MEDUSA_NODES = "auto"  # nodes of the sparse tree; "auto": the size the target's
 
 
 def measure_latency(model) -> dict[int, float]:
-    """The target's forward latency curve {k tokens: seconds} at a 256-token context (what "auto" trees use)."""
+    """The target's forward latency curve {k tokens: seconds} at a 256-token context (what "auto" trees use):
+    best of 5 per k, made non-decreasing in k (a forward over more tokens is not faster; a dip is timing
+    noise, and at stop 10 one such dip, 55.7 ms at 8 vs 54.7 at 16 tokens, moved the auto trees)."""
     from .roofline import profile_latency_vs_k
 
-    return profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64), context=256, repeats=3)
+    return monotone_latency(profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64), context=256, repeats=5))
+
+
+def monotone_latency(latency: dict[int, float]) -> dict[int, float]:
+    """The curve with every point raised to the largest latency at fewer tokens (running maximum over k)."""
+    out, top = {}, 0.0
+    for k in sorted(latency):
+        top = max(top, latency[k])
+        out[k] = top
+    return out
 
 
 def latency_for(ctx: BenchContext) -> dict[int, float]:
@@ -309,6 +320,16 @@ def _eagle(ctx: BenchContext, ids, mask, gen) -> RunStats:
     return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=ctx.extras["eagle_choices"]), gen)
 
 
+def _calibration(ctx: BenchContext) -> float:
+    """eagle2's confidence calibration for this run: the head's card at the run's temperature, or
+    ``extras["eagle2_calibration"]`` (1.0 = the paper's confidence-as-acceptance; notebook 03 compares)."""
+    from .drafters.eagle import confidence_calibration
+
+    if "eagle2_calibration" in ctx.extras:
+        return float(ctx.extras["eagle2_calibration"])
+    return confidence_calibration(eagle_for(ctx)[2], ctx.sampling.temperature)
+
+
 @method("eagle2", "EAGLE-2 dynamic tree (EAGLE_DEPTH, EAGLE_TOPK, EAGLE2_TOTAL nodes) on the same head, lossless")
 def _eagle2(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.eagle import EagleDrafter
@@ -316,7 +337,7 @@ def _eagle2(ctx: BenchContext, ids, mask, gen) -> RunStats:
     head, vocab, _, latency, cost = eagle_for(ctx)
     s = eagle_settings(ctx)
     drafter = EagleDrafter(ctx.model, head, vocab, depth=s["depth"], top_k=s["top_k"], total_tokens=s["eagle2_total"],
-                           latency=latency, draft_cost=cost)
+                           latency=latency, draft_cost=cost, calibration=_calibration(ctx))
     return _spec(ctx, ids, drafter, gen)
 
 
@@ -444,6 +465,7 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                      **({"medusa_choices": [list(c) for c in ctx.extras["medusa"][2]]} if "medusa" in ctx.extras else {}),
                      **({"latency_s": ctx.extras["latency"]} if "latency" in ctx.extras else {}),
                      **({"eagle": {**eagle_settings(ctx), "draft_cost_s": ctx.extras["eagle"][4],
+                                   "eagle2_calibration": _calibration(ctx),
                                    **({"static_choices": [list(c) for c in ctx.extras["eagle_choices"]]}
                                       if "eagle_choices" in ctx.extras else {})}}
                         if "eagle" in ctx.extras else {}),
