@@ -38,7 +38,7 @@ Deviations from the papers, and why:
   raise that rate even if all the frontier's probability were accepted (``worth_expanding``): on hard
   text (low confidence) the head stops after a depth or two instead of spending ``depth`` forwards.
   The paper takes the draft's confidence as the acceptance rate; our head is underconfident (held-out:
-  top-1 right 65% of the time at a mean top-1 confidence of 54%), so the cost model reads confidences
+  top-1 right 67% of the time at a mean top-1 confidence of 57%), so the cost model reads confidences
   times ``calibration`` = held-out acceptance / confidence (``confidence_calibration``, from the card).
 """
 
