@@ -304,7 +304,13 @@ def test_calibration_moves_the_auto_tree_size(tiny_pair):
         drafter = EagleDrafter(tgt, head, depth=3, top_k=3, total_tokens="auto", latency=lat, calibration=cal)
         seen = []
         propose = drafter.propose
-        drafter.propose = lambda state, propose=propose, seen=seen: (lambda t: (seen.append(len(t)), t)[1])(propose(state))
+
+        def spy(state, propose=propose, seen=seen):
+            tree = propose(state)
+            seen.append(len(tree))
+            return tree
+
+        drafter.propose = spy
         assert speculative_generate(tgt, drafter, ids, max_new_tokens=12, eos_token_id=-1).tokens[0] == ar
         sizes[cal] = seen[0]  # the first step: the same state for every calibration
     print(sizes)

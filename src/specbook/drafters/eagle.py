@@ -193,13 +193,17 @@ class EagleObjective:
                                                              "top1": top1}
 
     def _hits(self, pred, tgt, topk: int):
-        """-> hit [M, topk] (the head's c-th guess is the target's greedy token) and p_top [M, topk] (the target's
-        T = 1 probability of the c-th guess: the chance a one-hot pick of it is accepted when sampling)."""
+        """-> hit [M, topk] (the head's c-th guess is the target's greedy token), p_top [M, topk] (the target's
+        T = 1 probability of the c-th guess: the chance a one-hot pick of it is accepted when sampling) and
+        conf [M] (the draft's own probability of its top guess, softmax over the head vocabulary as drafting
+        computes it)."""
         logits = tgt @ self.W_full.T  # [M, V] the target's logits (full vocabulary)
-        top = (pred @ self.W.T).topk(topk, -1).indices
+        q_logits = pred @ self.W.T  # [M, Vd] the draft's logits (head vocabulary)
+        v, top = q_logits.topk(topk, -1)
+        conf = (v[:, 0].float() - q_logits.float().logsumexp(-1)).exp()
         if self.vocab is not None:
             top = self.vocab.to(top.device)[top]
-        return top == logits.argmax(-1)[:, None], torch.softmax(logits, -1).gather(-1, top)
+        return top == logits.argmax(-1)[:, None], torch.softmax(logits, -1).gather(-1, top), conf
 
     @torch.no_grad()
     def evaluate(self, batch, topk: int = 10):
@@ -213,23 +217,23 @@ class EagleObjective:
         f = batch.feats[:, :, self.fi, :].float()
         m = batch.mask[:, 1:]
         pred1 = self._predict(batch, 0.0)  # [B, S-1, H]: f^_{j+1}
-        hit, p_top = self._hits(pred1[m], f[:, 1:][m], topk)
+        hit, p_top, conf = self._hits(pred1[m], f[:, 1:][m], topk)
         res["top1"] = float(hit[:, 0].float().mean())
         res[f"top{topk}"] = float(hit.any(-1).float().mean())
         for c in range(topk):
             res[f"acc_r{c}"] = float(hit[:, c].float().mean())
         for c in range(topk):  # what a static tree's rank-c child is worth when the loop samples at T = 1
             res[f"soft_r{c}"] = float(p_top[:, c].mean())
-        # the draft's own confidence in its top-1 guess (softmax over the head vocabulary, as drafting computes it):
-        # against top1 it says how far EAGLE-2's confidence-as-acceptance estimate is off (confidence_calibration)
-        res["conf_r0"] = float(torch.softmax((pred1[m] @ self.W.T).float(), -1).amax(-1).mean())
+        # the draft's confidence in its top-1 guess: against top1 it says how far EAGLE-2's confidence-as-acceptance
+        # estimate is off (confidence_calibration)
+        res["conf_r0"] = float(conf.mean())
         res["feat_l1"] = float(nn.functional.smooth_l1_loss(pred1[m], f[:, 1:][m]))
         # step 2: inputs (e(x_{j+2}), f^_{j+1}) -> f^_{j+2}, scored against f_{j+2}
         f2 = torch.cat([f[:, :1], pred1], dim=1)  # position j holds f^_j (j >= 1)
         pred2 = self._predict(batch, 0.0, feats=f2)
         m2 = m.clone()
         m2[:, 0] = False  # position 0 has no predicted input
-        hit2, _ = self._hits(pred2[m2], f[:, 1:][m2], 1)
+        hit2, _, _ = self._hits(pred2[m2], f[:, 1:][m2], 1)
         res["top1_step2"] = float(hit2[:, 0].float().mean())
         res["mean_top1"] = 0.5 * (res["top1"] + res["top1_step2"])
         return res
