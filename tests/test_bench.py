@@ -39,7 +39,7 @@ def test_step_split_by_hand():
 
 
 def test_monotone_latency_by_hand():
-    # stop 10's curve had 8 tokens slower than 16; the dip is raised, nothing else moves
+    # a measured curve with 8 tokens slower than 16: the dip is raised, nothing else moves
     lat = {1: 45.8, 2: 49.9, 4: 49.9, 8: 55.7, 16: 54.7, 32: 63.6}
     assert bench.monotone_latency(lat) == {1: 45.8, 2: 49.9, 4: 49.9, 8: 55.7, 16: 55.7, 32: 63.6}
     assert bench.monotone_latency({4: 2.0, 1: 3.0}) == {1: 3.0, 4: 3.0}  # keys in any order
@@ -71,9 +71,9 @@ def test_bench_auto_trees_record_what_they_measured(real):
                           tokenizer=tok, progress=False)
     s = res["settings"]
     assert sorted(s["latency_s"]) == [1, 2, 4, 8, 16, 32, 64] and all(v > 0 for v in s["latency_s"].values())
-    assert s["eagle"]["nodes"] == bench.EAGLE_NODES == "auto" and s["eagle"]["draft_cost_s"] > 0
+    assert s["eagle"]["nodes"] == bench.EagleSettings().nodes == "auto" and s["eagle"]["draft_cost_s"] > 0
     assert len(s["eagle"]["static_choices"]) >= 1 and len(s["medusa_choices"]) >= 1
-    assert max(len(c) for c in s["eagle"]["static_choices"]) <= bench.EAGLE_DEPTH
+    assert max(len(c) for c in s["eagle"]["static_choices"]) <= bench.EagleSettings().depth
     lat = [s["latency_s"][k] for k in sorted(s["latency_s"])]
     assert lat == sorted(lat)  # made non-decreasing in k (bench.monotone_latency)
     from specbook.drafters.eagle import confidence_calibration, load_eagle

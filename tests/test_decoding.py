@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from specbook.decoding import generate, pad_left
 from specbook.sampling import SamplingConfig, make_generator

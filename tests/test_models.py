@@ -7,8 +7,16 @@ import pytest
 import torch
 
 from specbook import models
-from specbook.models import (CorruptModelCache, ModelNotAvailable, check_model_dir, compute_fingerprint, load_model,
-                             resolve_device, resolve_dtype, tiny_llama)
+from specbook.models import (
+    CorruptModelCache,
+    ModelNotAvailable,
+    check_model_dir,
+    compute_fingerprint,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    tiny_llama,
+)
 
 
 def test_fingerprint_is_stable_and_sensitive():

@@ -1,7 +1,8 @@
 """environment.yml delegates to pip and must not drift from pyproject.toml."""
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

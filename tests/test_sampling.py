@@ -3,7 +3,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specbook.sampling import SamplingConfig, logits_to_probs, make_generator, sample, top_k_filter, top_p_filter, validate
+from specbook.sampling import (
+    SamplingConfig,
+    logits_to_probs,
+    make_generator,
+    sample,
+    top_k_filter,
+    top_p_filter,
+    validate,
+)
 
 
 def test_greedy_is_one_hot_argmax():

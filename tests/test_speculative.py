@@ -135,8 +135,9 @@ def test_batch_rows_equal_rows_alone(tiny, kind):
     assert len(set(res.stats.accept_hist)) > 1, "rows should accept different lengths in this test"
 
 
-def test_reduced_draft_vocab_stays_lossless_and_greedy_exact(tiny):
-    """A draft restricted to a token subset: greedy output unchanged; q is zero outside the subset."""
+def test_reduced_draft_vocab_greedy_exact_and_q_zero_outside(tiny):
+    """A draft restricted to a token subset: greedy output unchanged; q is zero outside the subset (its T > 0
+    distribution is checked in test_lossless.py)."""
     ids, _ = pad_left([[0, 5, 9, 11]], 1)
     sub = torch.arange(0, 48, 2)
     ar = generate(tiny, ids, max_new_tokens=30, eos_token_id=-1).tokens[0]
@@ -151,3 +152,89 @@ def test_reduced_draft_vocab_stays_lossless_and_greedy_exact(tiny):
     assert all(int(x) % 2 == 0 for x in tree.tokens)
     with pytest.raises(ValueError, match="vocab must be"):
         DraftModelDrafter(tiny, 2, vocab=torch.tensor([0, 99]))
+
+
+# --------------------------------------------------------------------------- the loops' shared edges
+
+
+def _free(tiny, prompt, n):
+    return generate(tiny, pad_left([prompt], 1)[0], max_new_tokens=n, eos_token_id=-1).tokens[0]
+
+
+def test_list_valued_eos_ends_every_loop_at_the_first_eos_of_the_list(tiny):
+    """Llama-3 / Qwen configs carry a list of EOS ids: every loop stops at the first token in that list."""
+    from specbook.decoding import speculative_generate_batch
+
+    p = [0, 5, 9, 11]
+    free = _free(tiny, p, 30)
+    a, b = free[9], free[4]  # the list's second id appears first in the text
+    eos = [a, b]
+    want = free[: min(free.index(a), free.index(b)) + 1]
+    ids, mask = pad_left([p], 1)
+    assert generate(tiny, ids, mask, max_new_tokens=30, eos_token_id=eos).tokens[0] == want
+    for make in (lambda: DraftModelDrafter(tiny, 3), lambda: PromptLookupDrafter(3)):
+        assert speculative_generate(tiny, make(), ids, max_new_tokens=30, eos_token_id=eos).tokens[0] == want
+        assert speculative_generate_batch(tiny, [make()], ids, mask, max_new_tokens=30, eos_token_id=eos).tokens[0] == want
+    # the model config's list is used when no eos_token_id is passed
+    old = tiny.config.eos_token_id
+    try:
+        tiny.config.eos_token_id = eos
+        assert speculative_generate(tiny, DraftModelDrafter(tiny, 3), ids, max_new_tokens=30).tokens[0] == want
+    finally:
+        tiny.config.eos_token_id = old
+
+
+def test_batch_loop_stats_equal_the_single_loop_at_B1(tiny):
+    from specbook.decoding import speculative_generate_batch
+
+    ids, mask = pad_left([[0, 5, 9, 11]], 1)
+    draft = build_draft_model(tiny, (0,))
+    d1, d2 = DraftModelDrafter(draft, 3), DraftModelDrafter(draft, 3)
+    d2.forwards = 7  # a drafter reused across calls: the loop reports this call's forwards only
+    one = speculative_generate(tiny, d1, ids, max_new_tokens=20, eos_token_id=-1)
+    bat = speculative_generate_batch(tiny, [d2], ids, mask, max_new_tokens=20, eos_token_id=-1)
+    assert bat.tokens == one.tokens
+    s1, s2 = one.stats, bat.stats
+    assert (s2.target_forwards, s2.new_tokens, s2.draft_forwards, s2.drafted) == \
+        (s1.target_forwards, s1.new_tokens, s1.draft_forwards, s1.drafted)
+    assert s2.accept_hist == s1.accept_hist and s2.pos_tested == s1.pos_tested
+    assert s2.prefill_time > 0 and len(s2.step_times) == len(s1.step_times) == s1.target_forwards - 1
+
+
+def test_draft_is_cut_near_the_end_of_the_context(tiny):
+    """A request that fits the context runs, whatever the draft length: drafts are cut where they would pass it."""
+    from copy import deepcopy
+
+    from specbook.decoding import speculative_generate_batch
+    from specbook.drafters.eagle import Eagle2Drafter, EagleHead
+
+    small = deepcopy(tiny)
+    small.config.max_position_embeddings = 16
+    p = [0, 5, 9, 11]
+    ids, mask = pad_left([p], 1)
+    ar = generate(small, ids, max_new_tokens=12, eos_token_id=-1).tokens[0]
+    torch.manual_seed(0)
+    for d in (DraftModelDrafter(small, 6), PromptLookupDrafter(8, max_ngram=1),
+              Eagle2Drafter(small, EagleHead(small.config).eval(), depth=6, top_k=2, total_tokens=10)):
+        assert speculative_generate(small, d, ids, max_new_tokens=12, eos_token_id=-1).tokens[0] == ar, type(d).__name__
+    out = speculative_generate_batch(small, [DraftModelDrafter(small, 6)], ids, mask, max_new_tokens=12, eos_token_id=-1)
+    assert out.tokens[0] == ar
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        speculative_generate(small, DraftModelDrafter(small, 2), ids, max_new_tokens=13, eos_token_id=-1)
+
+
+def test_batch_loop_refuses_what_it_cannot_run(tiny):
+    from specbook.decoding import speculative_generate_batch
+    from specbook.drafters.eagle import EagleDrafter, EagleHead
+    from specbook.verify import DraftTree
+
+    class TwoChildren(DraftModelDrafter):
+        def propose(self, state):
+            return DraftTree(torch.tensor([3, 4]), torch.tensor([-1, -1]))
+
+    ids, mask = pad_left([[0, 5, 9], [0, 7]], 1)
+    with pytest.raises(ValueError, match="chains only"):
+        speculative_generate_batch(tiny, [TwoChildren(tiny, 1), TwoChildren(tiny, 1)], ids, mask, max_new_tokens=5)
+    head = EagleHead(tiny.config).eval()
+    with pytest.raises(ValueError, match="EagleDrafter needs them"):
+        speculative_generate_batch(tiny, [EagleDrafter(tiny, head, choices=[(0,)])] * 2, ids, mask, max_new_tokens=5)

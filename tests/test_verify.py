@@ -6,9 +6,8 @@ from hypothesis import strategies as st
 
 from specbook import verify as V
 from specbook.models import tiny_llama
-from specbook.sampling import SamplingConfig, make_generator, probs_from
+from specbook.sampling import SamplingConfig, make_generator
 from specbook.verify import DraftTree, accept_prob, residual, verify
-
 
 # --------------------------------------------------------------------------- analytic (exact) checks
 
@@ -91,7 +90,7 @@ def test_bad_drafts_are_rejected():
 
 # --------------------------------------------------------------------------- statistical check on a tiny model
 
-from specbook.exactness import exact_first_two, logit_table, loop_first_two, speculative_first_two, tv, tv_bound  # noqa: E402
+from specbook.exactness import exact_first_two, logit_table, speculative_first_two, tv, tv_bound  # noqa: E402
 
 VOCAB = 12
 PROMPT = [0, 3, 7]
@@ -128,15 +127,52 @@ def test_broken_sampler_fails_the_same_test(tables, monkeypatch):
     assert tv(emp, exact) > 2 * tv_bound(exact, N)
 
 
-def test_speculative_loop_end_to_end_matches_target(tables):
-    """The whole loop (prefill, draft model, caches, verify) on the tiny pair: first two tokens ~ target."""
-    from specbook.drafters.draft_model import DraftModelDrafter
+# --------------------------------------------------------------------------- the draft contract, typical acceptance
 
-    p_logits, _ = tables
-    cfg = SamplingConfig(1.0)
-    tgt = tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=3)
-    drafter = DraftModelDrafter(tiny_llama(vocab_size=VOCAB, hidden_size=32, seed=4), gamma=3)
-    n = 3000
-    emp = loop_first_two(tgt, drafter, PROMPT, cfg, n, make_generator(2))
-    exact = exact_first_two(p_logits, cfg)
-    assert tv(emp, exact) < tv_bound(exact, n)
+
+def test_sibling_contract_is_checked():
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.8, 0.0], [0.5, 0.5, 0.0]])
+    with pytest.raises(ValueError, match="one-hot picks carry q=None"):
+        DraftTree(torch.tensor([0, 1]), torch.tensor([-1, -1]), children="iid")
+    with pytest.raises(ValueError, match="children must be one of"):
+        DraftTree(torch.tensor([0, 1]), torch.tensor([-1, -1]), q[:2], children="noreplace")
+    bad = DraftTree(torch.tensor([0, 1, 1]), torch.tensor([-1, -1, 0]), q)  # siblings 0 and 1 carry different q
+    with pytest.raises(ValueError, match="different q rows"):
+        verify(torch.zeros(4, 3), bad, SamplingConfig(1.0), make_generator(0))
+    ok = DraftTree(torch.tensor([0, 1, 1]), torch.tensor([-1, -1, 0]), q[[0, 2, 1]])
+    verify(torch.zeros(4, 3), ok, SamplingConfig(1.0), make_generator(0))  # i.i.d. siblings from one q: fine
+
+
+def test_truncate_depth_keeps_a_closed_subtree():
+    d = DraftTree(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 0, 2, 1]), confidence=torch.arange(5.0))
+    t = d.truncate_depth(2)
+    assert t.tokens.tolist() == [5, 6, 7, 9] and t.parents.tolist() == [-1, -1, 0, 1]
+    assert t.confidence.tolist() == [0.0, 1.0, 2.0, 4.0] and len(d.truncate_depth(0)) == 0
+
+
+def _peaked(rows):
+    """Logits [len(rows), 6] with row r peaked on the tokens in rows[r] (equal mass), near zero elsewhere."""
+    lg = torch.full((len(rows), 6), -8.0)
+    for r, toks in enumerate(rows):
+        lg[r, toks] = 0.0
+    return lg
+
+
+def test_typical_acceptance_takes_the_longest_candidate():
+    """Medusa's rule: every candidate keeps its longest typical prefix and the longest one wins — not the first
+    typical child in tree order. Tree: root -> 0 -> 2 (2 atypical), root -> 1 -> 3 (both typical)."""
+    tree = DraftTree(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, -1, 0, 1]))
+    p = _peaked([[0, 1], [4], [3], [5], [5]])  # root: 0 and 1 typical; after 0: 4 (not 2); after 1: 3
+    r = V.typical_accept(p, tree, SamplingConfig(1.0), generator=make_generator(0))
+    assert r.path == [1, 3] and r.bonus and r.next_token == 5
+    assert sorted(r.tested) == [(0, True), (0, True), (1, False), (1, True)]
+
+
+def test_typical_acceptance_at_T0_is_exactly_greedy_on_ties():
+    """At temperature 0 only the argmax is typical: on an exact logit tie the argmax is the first index, as in
+    greedy verification (a near-zero temperature such as 1e-5 would accept the tied non-argmax token too)."""
+    tree = DraftTree.chain(torch.tensor([2]))
+    p = _peaked([[1, 2], [3]])  # tokens 1 and 2 tie; argmax = 1
+    r = V.typical_accept(p, tree, SamplingConfig(0.0))
+    assert r.path == [] and r.next_token == 1
+    assert V.typical_accept(p, tree, SamplingConfig(0.0)) == verify(p, tree, SamplingConfig(0.0))

@@ -5,26 +5,25 @@
 
 Methods run *interleaved* (for each repeat, for each prompt, every method in a rotating order)
 so that machine noise hits all of them alike; speedup is tokens/s against ``ar`` measured in
-the same run. A method is a function registered with ``@method("name")``; later issues add
-drafters by registering more methods, never a second harness.
+the same run. A method is a function registered with ``@method("name")``; a new drafter adds a
+method (and, if it has knobs, a settings dataclass in ``Settings``), never a second harness.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal, Union
 
 import torch
 
+from .models import machine_info
 from .sampling import SamplingConfig
 
 
@@ -42,13 +41,110 @@ class RunStats:
     steps: int | None = None  # draft-verify steps (target forwards after the prefill)
 
 
+Size = Union[int, Literal["auto"]]  # a tree size: a node count, or "auto" = what this run's latency curve pays for
+
+
+def check_size(name: str, value, minimum: int = 1) -> None:
+    """The one validation of a tree-size setting."""
+    if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+        raise ValueError(f"{name} must be an int >= {minimum} or 'auto', got {value!r}")
+
+
+@dataclass(frozen=True)
+class SpsSettings:
+    """sps / sps_rv / hf_assisted."""
+
+    gamma: int = 4  # draft tokens per step (notebook 01's gamma sweep)
+    draft_vocab: int = 8192  # sps_rv's reduced draft output layer: the most frequent corpus response tokens
+
+    def __post_init__(self):
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"gamma must be an int >= 1, got {self.gamma!r}")
+        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be an int >= 1, got {self.draft_vocab!r}")
+
+
+@dataclass(frozen=True)
+class LookupSettings:
+    """pld / hf_lookup: transformers' prompt lookup defaults (10 tokens, 2-gram match)."""
+
+    k: int = 10
+    ngram: int = 2
+
+
+@dataclass(frozen=True)
+class MedusaSettings:
+    """medusa / medusa_typical. ``nodes``: the sparse tree's size; "auto" = the size this run's measured latency
+    curve pays for (tree.auto_nodes). ``choices``: an explicit tree (choice paths), overriding ``nodes``."""
+
+    nodes: Size = "auto"
+    choices: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self):
+        check_size("medusa nodes", self.nodes)
+
+
+@dataclass(frozen=True)
+class EagleSettings:
+    """eagle / eagle2. depth / top_k: the best of a search on 6 eval prompts on a CPU with AMX (depth 6-10 x
+    top_k 4-10, auto size). Sizes "auto": what the target's latency curve and the head's confidence pay for on
+    the machine at hand, measured in the same run (an AVX2 CPU in fp32: latency(k) jumps from 1 to 2 tokens,
+    small trees; AMX in bf16: nearly flat to 32 tokens, large trees).
+
+    nodes               eagle's static tree size (sparse tree from the head's rank accuracies) or "auto"
+    depth, top_k        drafting depth (both) and children per expanded node (eagle2)
+    eagle2_total        eagle2's nodes kept per step, or "auto" (per step, from the latency curve and draft cost)
+    eagle2_calibration  None = from the head's card at the run's temperature; 1.0 = the paper's
+                        confidence-as-acceptance (notebook 03 compares)
+    draft_cost          None = measured once per run; a number overrides it (0.0 = an auto mode blind to it)
+    """
+
+    nodes: Size = "auto"
+    depth: int = 8
+    top_k: int = 8
+    eagle2_total: Size = "auto"
+    eagle2_calibration: float | None = None
+    draft_cost: float | None = None
+
+    def __post_init__(self):
+        check_size("eagle nodes", self.nodes)
+        check_size("eagle2_total", self.eagle2_total, minimum=self.depth)
+        for name in ("depth", "top_k"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"eagle {name} must be an int >= 1, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every method's configuration for one bench run (recorded in the JSON)."""
+
+    sps: SpsSettings = field(default_factory=SpsSettings)
+    lookup: LookupSettings = field(default_factory=LookupSettings)
+    medusa: MedusaSettings = field(default_factory=MedusaSettings)
+    eagle: EagleSettings = field(default_factory=EagleSettings)
+
+
+@dataclass
+class Loaded:
+    """Objects loaded or measured once and shared by runs on one target (notebooks pass one to several
+    run_bench calls): the committed drafters, the reduced draft vocabulary, the target's latency curve."""
+
+    draft_model: object = None
+    draft_vocab: dict = field(default_factory=dict)  # size -> [Vd] token ids
+    latency: dict | None = None  # {k tokens: seconds}
+    medusa: tuple | None = None  # (heads, vocab, card)
+    eagle: tuple | None = None  # (head, vocab, card, measured draft cost in seconds)
+
+
 @dataclass
 class BenchContext:
     model: object
     tokenizer: object
     sampling: SamplingConfig
     max_new_tokens: int
-    extras: dict = field(default_factory=dict)  # lazily built per-method state (draft models, heads)
+    settings: Settings = field(default_factory=Settings)
+    loaded: Loaded = field(default_factory=Loaded)
+    trees: dict = field(default_factory=dict)  # trees derived from settings + loaded objects for this run
 
 
 MethodFn = Callable[[BenchContext, torch.Tensor, torch.Tensor, "torch.Generator | None"], RunStats]
@@ -101,27 +197,34 @@ def _hf_new_tokens(out: torch.Tensor, prompt_len: int, eos: int) -> int:
 
 @method("hf_generate", "transformers model.generate() on the same model, dtype and settings")
 def _hf_generate(ctx: BenchContext, ids, mask, gen) -> RunStats:
-    if gen is not None:  # transformers samples from the global RNG: seed it from our generator (its only use)
-        torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    _seed_global_rng(gen)
     out, dt = _timed(lambda: ctx.model.generate(ids, attention_mask=mask, **hf_generate_kwargs(ctx, gen)))
     n = _hf_new_tokens(out, ids.shape[1], ctx.tokenizer.eos_token_id)
     return RunStats(n, dt, n)
 
 
-# ---------------------------------------------------------------- speculative methods (issue: speculative sampling)
-
-GAMMA = 4  # draft tokens per step for sps / hf_assisted (tuned in notebook 01)
-LOOKUP_K, LOOKUP_NGRAM = 10, 2  # transformers' prompt lookup defaults: 10 tokens, 2-gram match
+# ---------------------------------------------------------------- speculative methods
 
 
 def draft_model_for(ctx: BenchContext):
-    """The committed distilled draft for the bench target (built once per run)."""
-    if "draft_model" not in ctx.extras:
+    """The committed distilled draft for the bench target (loaded once)."""
+    if ctx.loaded.draft_model is None:
         from .drafters.draft_model import load_draft_model
         from .train import CKPT_DIR
 
-        ctx.extras["draft_model"], _ = load_draft_model(ctx.model, CKPT_DIR / "draft_model")
-    return ctx.extras["draft_model"]
+        ctx.loaded.draft_model, _ = load_draft_model(ctx.model, CKPT_DIR / "draft_model")
+    return ctx.loaded.draft_model
+
+
+def draft_vocab_for(ctx: BenchContext) -> torch.Tensor:
+    """The ``settings.sps.draft_vocab`` most frequent corpus response tokens (loaded once per size)."""
+    n = ctx.settings.sps.draft_vocab
+    if n not in ctx.loaded.draft_vocab:
+        from .corpus import load_corpus, top_tokens
+
+        ids, _ = top_tokens(load_corpus(), n)
+        ctx.loaded.draft_vocab[n] = torch.as_tensor(ids, dtype=torch.long)
+    return ctx.loaded.draft_vocab[n]
 
 
 def _spec(ctx: BenchContext, ids, drafter, gen, acceptance: str = "exact") -> RunStats:
@@ -135,30 +238,18 @@ def _spec(ctx: BenchContext, ids, drafter, gen, acceptance: str = "exact") -> Ru
                     len(st.step_times))
 
 
-@method("sps", "speculative sampling with the distilled draft model (data/checkpoints/draft_model), gamma=GAMMA")
+@method("sps", "speculative sampling with the distilled draft model (data/checkpoints/draft_model), gamma draft tokens")
 def _sps(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.draft_model import DraftModelDrafter
 
-    return _spec(ctx, ids, DraftModelDrafter(draft_model_for(ctx), gamma=ctx.extras.get("gamma", GAMMA)), gen)
+    return _spec(ctx, ids, DraftModelDrafter(draft_model_for(ctx), gamma=ctx.settings.sps.gamma), gen)
 
 
-DRAFT_VOCAB = 8192  # reduced draft output layer for sps_rv: the most frequent corpus response tokens
-
-
-def draft_vocab_for(ctx: BenchContext):
-    if "draft_vocab" not in ctx.extras:
-        from .corpus import load_corpus, top_tokens
-
-        ids, _ = top_tokens(load_corpus(), ctx.extras.get("draft_vocab_size", DRAFT_VOCAB))
-        ctx.extras["draft_vocab"] = torch.as_tensor(ids, dtype=torch.long)
-    return ctx.extras["draft_vocab"]
-
-
-@method("sps_rv", "sps with a reduced draft output layer (the DRAFT_VOCAB most frequent corpus tokens)")
+@method("sps_rv", "sps with a reduced draft output layer (the draft_vocab most frequent corpus tokens)")
 def _sps_rv(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.draft_model import DraftModelDrafter
 
-    drafter = DraftModelDrafter(draft_model_for(ctx), gamma=ctx.extras.get("gamma", GAMMA), vocab=draft_vocab_for(ctx))
+    drafter = DraftModelDrafter(draft_model_for(ctx), gamma=ctx.settings.sps.gamma, vocab=draft_vocab_for(ctx))
     return _spec(ctx, ids, drafter, gen)
 
 
@@ -166,42 +257,44 @@ def _sps_rv(ctx: BenchContext, ids, mask, gen) -> RunStats:
 def _pld(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.lookup import PromptLookupDrafter
 
-    return _spec(ctx, ids, PromptLookupDrafter(k=LOOKUP_K, max_ngram=LOOKUP_NGRAM), gen)
+    s = ctx.settings.lookup
+    return _spec(ctx, ids, PromptLookupDrafter(k=s.k, max_ngram=s.ngram), gen)
+
+
+def _seed_global_rng(gen) -> None:
+    """transformers samples from the global RNG: seed it from our generator (its only use)."""
+    if gen is not None:
+        torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
 
 
 @method("hf_assisted", "transformers assisted generation (assistant_model=) with the same draft and gamma")
 def _hf_assisted(ctx: BenchContext, ids, mask, gen) -> RunStats:
     draft = draft_model_for(ctx)
-    draft.generation_config.num_assistant_tokens = ctx.extras.get("gamma", GAMMA)
+    draft.generation_config.num_assistant_tokens = ctx.settings.sps.gamma
     draft.generation_config.num_assistant_tokens_schedule = "constant"  # same fixed gamma as ours
     draft.generation_config.assistant_confidence_threshold = 0.0  # no early exit: identical drafting policy
-    if gen is not None:
-        torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    _seed_global_rng(gen)
     out, dt = _timed(lambda: ctx.model.generate(ids, attention_mask=mask, assistant_model=draft,
                                                 **hf_generate_kwargs(ctx, gen)))
     return RunStats(_hf_new_tokens(out, ids.shape[1], ctx.tokenizer.eos_token_id), dt, None)
 
 
-@method("hf_lookup", "transformers prompt lookup (prompt_lookup_num_tokens=10, max_matching_ngram_size=2)")
+@method("hf_lookup", "transformers prompt lookup (the same k and n-gram as pld)")
 def _hf_lookup(ctx: BenchContext, ids, mask, gen) -> RunStats:
-    if gen is not None:
-        torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
-    out, dt = _timed(lambda: ctx.model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=LOOKUP_K,
-                                                max_matching_ngram_size=LOOKUP_NGRAM, **hf_generate_kwargs(ctx, gen)))
+    s = ctx.settings.lookup
+    _seed_global_rng(gen)
+    out, dt = _timed(lambda: ctx.model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=s.k,
+                                                max_matching_ngram_size=s.ngram, **hf_generate_kwargs(ctx, gen)))
     return RunStats(_hf_new_tokens(out, ids.shape[1], ctx.tokenizer.eos_token_id), dt, None)
 
 
-# ---------------------------------------------------------------- Medusa (issue: Medusa)
-
-MEDUSA_NODES = "auto"  # nodes of the sparse tree; "auto": the size the target's latency curve, measured in this run,
-# pays for (medusa.auto_nodes). On an AVX2 CPU (fp32) notebook 02's measured search found 4 nodes fastest; on a CPU
-# with AMX (bf16) latency(k) is nearly flat to 16-32 tokens and auto picks ~15 (README).
+# ---------------------------------------------------------------- the target's latency curve ("auto" sizes)
 
 
 def measure_latency(model) -> dict[int, float]:
     """The target's forward latency curve {k tokens: seconds} at a 256-token context (what "auto" trees use):
     best of 5 per k, made non-decreasing in k (a forward over more tokens is not faster; a dip is timing
-    noise, and at stop 10 one such dip, 55.7 ms at 8 vs 54.7 at 16 tokens, moved the auto trees)."""
+    noise that would move the auto trees)."""
     from .roofline import profile_latency_vs_k
 
     return monotone_latency(profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64), context=256, repeats=5))
@@ -217,25 +310,30 @@ def monotone_latency(latency: dict[int, float]) -> dict[int, float]:
 
 
 def latency_for(ctx: BenchContext) -> dict[int, float]:
-    """measure_latency, once per run."""
-    if "latency" not in ctx.extras:
-        ctx.extras["latency"] = measure_latency(ctx.model)
-    return ctx.extras["latency"]
+    """measure_latency, once per target."""
+    if ctx.loaded.latency is None:
+        ctx.loaded.latency = measure_latency(ctx.model)
+    return ctx.loaded.latency
+
+
+# ---------------------------------------------------------------- Medusa
 
 
 def medusa_for(ctx: BenchContext):
-    """The committed Medusa heads, their vocabulary and the tree's choice paths (built once per run)."""
-    if "medusa" not in ctx.extras:
-        from .drafters.medusa import load_medusa, rank_accuracy, sized_sparse_tree
+    """The committed Medusa heads, their vocabulary and this run's tree (choice paths)."""
+    from .drafters.medusa import load_medusa, rank_accuracy
+    from .tree import sized_sparse_tree
+
+    if ctx.loaded.medusa is None:
         from .train import CKPT_DIR
 
-        heads, vocab, card = load_medusa(ctx.model, CKPT_DIR / "medusa")
-        choices = ctx.extras.get("medusa_choices")
-        if not choices:
-            n = ctx.extras.get("medusa_nodes", MEDUSA_NODES)
-            choices = sized_sparse_tree(rank_accuracy(card), n, latency_for(ctx) if n == "auto" else None)
-        ctx.extras["medusa"] = (heads, vocab, choices)
-    return ctx.extras["medusa"]
+        ctx.loaded.medusa = load_medusa(ctx.model, CKPT_DIR / "medusa")
+    heads, vocab, card = ctx.loaded.medusa
+    if "medusa" not in ctx.trees:
+        s = ctx.settings.medusa
+        ctx.trees["medusa"] = list(s.choices) if s.choices else sized_sparse_tree(
+            rank_accuracy(card), s.nodes, latency_for(ctx) if s.nodes == "auto" else None)
+    return heads, vocab, ctx.trees["medusa"]
 
 
 def _medusa_run(ctx: BenchContext, ids, gen, acceptance: str) -> RunStats:
@@ -245,7 +343,7 @@ def _medusa_run(ctx: BenchContext, ids, gen, acceptance: str) -> RunStats:
     return _spec(ctx, ids, MedusaDrafter(ctx.model, heads, choices, vocab=vocab), gen, acceptance)
 
 
-@method("medusa", "Medusa heads (data/checkpoints/medusa), sparse tree of MEDUSA_NODES, lossless tree verification")
+@method("medusa", "Medusa heads (data/checkpoints/medusa), sparse tree (medusa nodes), lossless tree verification")
 def _medusa(ctx: BenchContext, ids, mask, gen) -> RunStats:
     return _medusa_run(ctx, ids, gen, "exact")
 
@@ -255,111 +353,64 @@ def _medusa_typical(ctx: BenchContext, ids, mask, gen) -> RunStats:
     return _medusa_run(ctx, ids, gen, "typical")
 
 
-# ---------------------------------------------------------------- EAGLE (issue: EAGLE-1 / EAGLE-2)
-
-# Tree settings. depth / top_k: the best of a search on 6 eval prompts on the AMX machine (depth 6-10 x top_k 4-10,
-# auto size; notebook 03's smaller search on 3 of them put depth 8 / top_k 4 ahead: at 3-6 prompts the two are
-# within noise); tree sizes: "auto" = what the target's latency
-# curve and the head's confidence pay for on the machine at hand, measured in the same run (an AVX2 CPU in fp32:
-# latency(k) jumps from 1 to 2 tokens, small trees; AMX in bf16: nearly flat to 32 tokens, large trees).
-EAGLE_NODES = "auto"  # eagle: static tree nodes (sparse tree from the head's rank accuracies), or "auto" (auto_nodes)
-EAGLE_DEPTH, EAGLE_TOPK = 8, 8  # drafting depth (static and dynamic) and children per expanded node (dynamic)
-EAGLE2_TOTAL = "auto"  # eagle2: nodes kept per step; "auto" = per step from the latency curve and the draft's cost
+# ---------------------------------------------------------------- EAGLE / EAGLE-2
 
 
 def eagle_for(ctx: BenchContext):
-    """The committed EAGLE head, its vocabulary and card (+ the target's latency curve and the draft's cost per
-    forward for "auto", measured once per run)."""
-    if "eagle" not in ctx.extras:
-        from .drafters.eagle import EagleDrafter, load_eagle
+    """The committed EAGLE head, its vocabulary and card, and the draft's cost per forward (measured once, or
+    ``settings.eagle.draft_cost``). The latency curve is measured with it ("auto" sizes need both)."""
+    if ctx.loaded.eagle is None:
+        from .drafters.eagle import load_eagle, measure_draft_cost
         from .train import CKPT_DIR
 
         head, vocab, card = load_eagle(ctx.model, CKPT_DIR / "eagle")
-        s = eagle_settings(ctx)
-        cost = EagleDrafter(ctx.model, head, vocab, depth=s["depth"], top_k=s["top_k"],
-                            total_tokens=max(16, s["depth"])).measure_draft_cost()
-        ctx.extras["eagle"] = (head, vocab, card, latency_for(ctx), cost)
-    return ctx.extras["eagle"]
+        cost = measure_draft_cost(ctx.model, head, vocab, top_k=ctx.settings.eagle.top_k)
+        ctx.loaded.eagle = (head, vocab, card, cost)
+    latency_for(ctx)
+    head, vocab, card, cost = ctx.loaded.eagle
+    s = ctx.settings.eagle
+    return head, vocab, card, cost if s.draft_cost is None else s.draft_cost
 
 
-def eagle_settings(ctx: BenchContext) -> dict:
-    """The EAGLE tree settings of this run: the module defaults, overridden through ``extras`` (notebook 03's search);
-    the same dict drives the drafters and goes into the JSON."""
-    return {"nodes": ctx.extras.get("eagle_nodes", EAGLE_NODES), "depth": ctx.extras.get("eagle_depth", EAGLE_DEPTH),
-            "top_k": ctx.extras.get("eagle_topk", EAGLE_TOPK), "eagle2_total": ctx.extras.get("eagle2_total", EAGLE2_TOTAL)}
+def preload(model, tokenizer, methods: tuple[str, ...] = ("eagle",)) -> Loaded:
+    """A ``Loaded`` holding what ``methods`` load or measure (e.g. the EAGLE head, the latency curve, the draft
+    cost): pass it to several run_bench calls (notebook 03's search) so they share one load and one measurement."""
+    ctx = BenchContext(model=model, tokenizer=tokenizer, sampling=SamplingConfig(), max_new_tokens=1)
+    for m in methods:
+        {"eagle": eagle_for, "eagle2": eagle_for, "medusa": medusa_for, "sps": draft_model_for}[m](ctx)
+    return ctx.loaded
 
 
-def eagle_static_tree(card: dict, latency: dict[int, float] | None, draft_cost: float, nodes: int | str = EAGLE_NODES,
-                      depth: int = EAGLE_DEPTH, temperature: float = 0.0) -> list[tuple[int, ...]]:
-    """EAGLE-1's static tree: ``nodes`` paths ``depth`` deep, or "auto" (the size ``latency`` pays for, with the
-    step's draft forwards — one per depth, ``draft_cost`` seconds each — as overhead), from the head's rank
-    accuracies at the run's temperature (eagle.static_accuracy)."""
-    from .drafters.eagle import static_accuracy
-    from .drafters.medusa import sized_sparse_tree
-
-    return sized_sparse_tree(static_accuracy(card, depth, temperature), nodes, latency, overhead=depth * draft_cost)
-
-
-def preload_eagle(model, tokenizer) -> dict:
-    """``extras`` holding the loaded EAGLE head, the latency curve and the draft cost: pass it to several
-    run_bench calls (notebook 03's search) so they share one load and one measurement."""
-    ctx = BenchContext(model=model, tokenizer=tokenizer, sampling=SamplingConfig(), max_new_tokens=1, extras={})
-    eagle_for(ctx)
-    return ctx.extras
-
-
-@method("eagle", "EAGLE-1 head (data/checkpoints/eagle), static tree of EAGLE_NODES, lossless tree verification")
-def _eagle(ctx: BenchContext, ids, mask, gen) -> RunStats:
-    from .drafters.eagle import EagleDrafter
-
-    head, vocab, card, latency, cost = eagle_for(ctx)
-    if "eagle_choices" not in ctx.extras:
-        s = eagle_settings(ctx)
-        ctx.extras["eagle_choices"] = eagle_static_tree(card, latency, cost, s["nodes"], s["depth"],
-                                                        ctx.sampling.temperature)
-    return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=ctx.extras["eagle_choices"]), gen)
-
-
-def _calibration(ctx: BenchContext) -> float:
-    """eagle2's confidence calibration for this run: the head's card at the run's temperature, or
-    ``extras["eagle2_calibration"]`` (1.0 = the paper's confidence-as-acceptance; notebook 03 compares)."""
+def eagle_calibration(ctx: BenchContext) -> float:
+    """eagle2's confidence calibration for this run: the head's card at the run's temperature, or the
+    setting (1.0 = the paper's confidence-as-acceptance)."""
     from .drafters.eagle import confidence_calibration
 
-    if "eagle2_calibration" in ctx.extras:
-        return float(ctx.extras["eagle2_calibration"])
+    if ctx.settings.eagle.eagle2_calibration is not None:
+        return float(ctx.settings.eagle.eagle2_calibration)
     return confidence_calibration(eagle_for(ctx)[2], ctx.sampling.temperature)
 
 
-@method("eagle2", "EAGLE-2 dynamic tree (EAGLE_DEPTH, EAGLE_TOPK, EAGLE2_TOTAL nodes) on the same head, lossless")
+@method("eagle", "EAGLE-1 head (data/checkpoints/eagle), static tree (eagle nodes), lossless tree verification")
+def _eagle(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.eagle import EagleDrafter, static_tree
+
+    head, vocab, card, cost = eagle_for(ctx)
+    if "eagle" not in ctx.trees:
+        s = ctx.settings.eagle
+        ctx.trees["eagle"] = static_tree(card, s.nodes, s.depth, ctx.sampling.temperature, latency_for(ctx), cost)
+    return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=ctx.trees["eagle"]), gen)
+
+
+@method("eagle2", "EAGLE-2 dynamic tree (depth, top_k, eagle2_total nodes) on the same head, lossless")
 def _eagle2(ctx: BenchContext, ids, mask, gen) -> RunStats:
-    from .drafters.eagle import EagleDrafter
+    from .drafters.eagle import Eagle2Drafter
 
-    head, vocab, _, latency, cost = eagle_for(ctx)
-    s = eagle_settings(ctx)
-    drafter = EagleDrafter(ctx.model, head, vocab, depth=s["depth"], top_k=s["top_k"], total_tokens=s["eagle2_total"],
-                           latency=latency, draft_cost=cost, calibration=_calibration(ctx))
+    head, vocab, _, cost = eagle_for(ctx)
+    s = ctx.settings.eagle
+    drafter = Eagle2Drafter(ctx.model, head, vocab, depth=s.depth, top_k=s.top_k, total_tokens=s.eagle2_total,
+                            latency=latency_for(ctx), draft_cost=cost, calibration=eagle_calibration(ctx))
     return _spec(ctx, ids, drafter, gen)
-
-
-def machine_info() -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    return info
 
 
 def _peak_mem_mb(device) -> float:
@@ -383,13 +434,76 @@ def step_split(a: dict) -> dict:
             "draft_forwards_per_step": round(a["draft_forwards"] / steps, 2)}
 
 
+def _totals() -> dict:
+    return {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0, **dict.fromkeys(SPLIT, 0)}
+
+
+def _add(acc: dict, s: RunStats) -> None:
+    """Accumulate one run; a counter some run did not expose (None) stays None."""
+    acc["new_tokens"] += s.new_tokens
+    acc["seconds"] += s.seconds
+    for f in ("target_forwards", *SPLIT):
+        v = getattr(s, f)
+        acc[f] = None if v is None or acc[f] is None else acc[f] + v
+
+
+def _row(m: str, a: dict, base: float) -> dict:
+    tps = a["new_tokens"] / a["seconds"] if a["seconds"] else 0.0
+    return {"method": m, "tokens_per_s": round(tps, 2),
+            "tau": round(a["new_tokens"] / max(a["target_forwards"], 1), 3) if a["target_forwards"] is not None else None,
+            "speedup": round(tps / base, 3) if base else None,
+            "target_forwards": a["target_forwards"], "new_tokens": a["new_tokens"],
+            "seconds": round(a["seconds"], 3), **step_split(a)}
+
+
+def _interleaved(ctx: BenchContext, methods: list[str], prompts: list[dict], encoded: list, repeats: int, seed: int,
+                 progress: bool) -> tuple[dict, dict, dict]:
+    """For each repeat, for each prompt, every method in a rotating order (so no method always runs first).
+    -> totals per method, totals per (method, category), peak memory per method."""
+    from tqdm.auto import tqdm
+
+    tot, cat, mem = defaultdict(_totals), defaultdict(_totals), {}
+    dev = ctx.model.device
+    bar = tqdm(total=repeats * len(prompts) * len(methods), desc="bench", disable=not progress)
+    for r in range(repeats):
+        for i, (p, (ids, mask)) in enumerate(zip(prompts, encoded)):
+            k = (r * len(prompts) + i) % len(methods)
+            for m in methods[k:] + methods[:k]:
+                gen = None if ctx.sampling.greedy else torch.Generator().manual_seed(seed * 7919 + r * 104729 + i)
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
+                s = METHODS[m](ctx, ids, mask, gen)
+                mem[m] = max(mem.get(m, 0.0), _peak_mem_mb(dev))
+                _add(tot[m], s)
+                _add(cat[(m, p.get("category", ""))], s)
+                bar.update(1)
+    bar.close()
+    return tot, cat, mem
+
+
+def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
+    """What a run used, beyond its arguments: method settings and what the "auto" sizes measured."""
+    out = {"gamma": ctx.settings.sps.gamma}
+    if "medusa" in ctx.trees:
+        out["medusa_choices"] = [list(c) for c in ctx.trees["medusa"]]
+    if ctx.loaded.latency is not None:
+        out["latency_s"] = ctx.loaded.latency
+    if ctx.loaded.eagle is not None and {"eagle", "eagle2"} & set(methods):
+        s = ctx.settings.eagle
+        out["eagle"] = {"nodes": s.nodes, "depth": s.depth, "top_k": s.top_k, "eagle2_total": s.eagle2_total,
+                        "draft_cost_s": eagle_for(ctx)[3], "eagle2_calibration": eagle_calibration(ctx)}
+        if "eagle" in ctx.trees:
+            out["eagle"]["static_choices"] = [list(c) for c in ctx.trees["eagle"]]
+    return out
+
+
 def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smollm2-135m-instruct",
               dtype: str = "fast", device: str | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
               top_p: float = 1.0, top_k: int | None = None, repeats: int = 1, seed: int = 0,
-              progress: bool = True, model=None, tokenizer=None, extras: dict | None = None) -> dict:
-    """Run ``methods`` interleaved over ``prompts``; return the JSON-ready result."""
-    from tqdm.auto import tqdm
-
+              progress: bool = True, model=None, tokenizer=None, settings: Settings | None = None,
+              loaded: Loaded | None = None) -> dict:
+    """Run ``methods`` interleaved over ``prompts``; return the JSON-ready result. ``settings``: the methods'
+    configuration (default ``Settings()``); ``loaded``: drafters / measurements to reuse (``preload``)."""
     from .decoding import encode
     from .models import load_model
 
@@ -404,71 +518,28 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
         model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     ctx = BenchContext(model=model, tokenizer=tokenizer, sampling=sampling, max_new_tokens=max_new_tokens,
-                       extras=dict(extras or {}))
+                       settings=settings or Settings(), loaded=loaded or Loaded())
     encoded = [encode(tokenizer, p["turns"][0], max_new_tokens=max_new_tokens,
                       max_length=int(model.config.max_position_embeddings), device=model.device) for p in prompts]
     # warm-up: one short run of every method (allocations, thread pools, lazy state)
-    warm = BenchContext(model=model, tokenizer=tokenizer, sampling=sampling, max_new_tokens=8, extras=ctx.extras)
+    warm = BenchContext(model=model, tokenizer=tokenizer, sampling=sampling, max_new_tokens=8, settings=ctx.settings,
+                        loaded=ctx.loaded, trees=ctx.trees)
     for m in methods:
         METHODS[m](warm, *encoded[0], torch.Generator().manual_seed(seed) if not sampling.greedy else None)
-    tot = defaultdict(lambda: {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0, **dict.fromkeys(SPLIT, 0)})
-    cat = defaultdict(lambda: {"new_tokens": 0, "seconds": 0.0, "target_forwards": 0, **dict.fromkeys(SPLIT, 0)})
-    mem = {}
-    bar = tqdm(total=repeats * len(prompts) * len(methods), desc="bench", disable=not progress)
-    for r in range(repeats):
-        for i, (p, (ids, mask)) in enumerate(zip(prompts, encoded)):
-            k = (r * len(prompts) + i) % len(methods)
-            for m in methods[k:] + methods[:k]:  # rotate the order so no method always runs first
-                gen = None if sampling.greedy else torch.Generator().manual_seed(seed * 7919 + r * 104729 + i)
-                if model.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(model.device)
-                s = METHODS[m](ctx, ids, mask, gen)
-                mem[m] = max(mem.get(m, 0.0), _peak_mem_mb(model.device))
-                for acc in (tot[m], cat[(m, p.get("category", ""))]):
-                    acc["new_tokens"] += s.new_tokens
-                    acc["seconds"] += s.seconds
-                    if s.target_forwards is None:
-                        acc["target_forwards"] = None
-                    elif acc["target_forwards"] is not None:
-                        acc["target_forwards"] += s.target_forwards
-                    for f in SPLIT:
-                        v = getattr(s, f)
-                        acc[f] = None if v is None or acc[f] is None else acc[f] + v
-                bar.update(1)
-    bar.close()
-
-    def row(m, a, base):
-        tps = a["new_tokens"] / a["seconds"] if a["seconds"] else 0.0
-        return {"method": m, "tokens_per_s": round(tps, 2),
-                "tau": round(a["new_tokens"] / max(a["target_forwards"], 1), 3) if a["target_forwards"] is not None else None,
-                "speedup": round(tps / base, 3) if base else None,
-                "target_forwards": a["target_forwards"], "new_tokens": a["new_tokens"],
-                "seconds": round(a["seconds"], 3), **step_split(a)}
-
+    tot, cat, mem = _interleaved(ctx, methods, prompts, encoded, repeats, seed, progress)
     base = tot["ar"]["new_tokens"] / tot["ar"]["seconds"]
-    rows = []
-    for m in methods:
-        rr = row(m, tot[m], base)
-        rr["peak_mem_mb"] = round(mem[m], 1)
-        rows.append(rr)
+    rows = [{**_row(m, tot[m], base), "peak_mem_mb": round(mem[m], 1)} for m in methods]
     by_cat = []
     for c in sorted({c for (_, c) in cat}):
         cb = cat[("ar", c)]
         cbase = cb["new_tokens"] / cb["seconds"] if cb["seconds"] else 0
-        by_cat += [{"category": c, **row(m, cat[(m, c)], cbase)} for m in methods]
+        by_cat += [{"category": c, **_row(m, cat[(m, c)], cbase)} for m in methods]
     return {
         "machine": machine_info(),
         "settings": {"model": model_name, "dtype": str(model.dtype).replace("torch.", ""), "device": str(model.device),
                      "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                      "repeats": repeats, "prompts": len(prompts), "seed": seed, "methods": methods,
-                     "gamma": ctx.extras.get("gamma", GAMMA),
-                     **({"medusa_choices": [list(c) for c in ctx.extras["medusa"][2]]} if "medusa" in ctx.extras else {}),
-                     **({"latency_s": ctx.extras["latency"]} if "latency" in ctx.extras else {}),
-                     **({"eagle": {**eagle_settings(ctx), "draft_cost_s": ctx.extras["eagle"][4],
-                                   "eagle2_calibration": _calibration(ctx),
-                                   **({"static_choices": [list(c) for c in ctx.extras["eagle_choices"]]}
-                                      if "eagle_choices" in ctx.extras else {})}}
-                        if "eagle" in ctx.extras else {}),
+                     **settings_json(ctx, methods),
                      "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)"},
         "rows": rows,
         "by_category": by_cat,

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .models import machine_info
 from .prompts import ROOT, load_prompts
 
 CORPUS_DIR = ROOT / "data" / "corpus"
@@ -226,19 +227,12 @@ def write_corpus(out_dir: Path, recs: list[tuple[list[int], list[int], dict]], *
     manifest = {
         "target": target, "target_fingerprint": fingerprint, "settings": settings, "records": len(index),
         "prompt_tokens": int(idx[:, 1].sum()), "response_tokens": int(idx[:, 2].sum()),
-        "skipped_too_long": 0, "generation_seconds_this_run": 0.0, "machine": _machine(),
+        "skipped_too_long": 0, "generation_seconds_this_run": 0.0, "machine": machine_info(),
         **(extra or {}),
         "files": {f: {"sha256": _sha(out_dir / f), "bytes": (out_dir / f).stat().st_size} for f in FILES},
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
-
-
-def _machine() -> dict:
-    import platform
-
-    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 @dataclass
@@ -279,7 +273,8 @@ def subset(corpus: "Corpus", n: int, out_dir: Path, spread: bool = False) -> "Co
         recs.append((seq[:pl], seq[pl:], corpus.records[i]))
     m = corpus.manifest
     write_corpus(out_dir, recs, vocab_size=65535 if corpus.tokens.dtype == np.uint16 else 1 << 31, target=m["target"],
-                 fingerprint=m["target_fingerprint"], settings={**m["settings"], "subset_of": corpus.sha, "n": n, "spread": spread})
+                 fingerprint=m["target_fingerprint"],
+                 settings={**m["settings"], "subset_of": corpus.sha, "n": n, "spread": spread})
     return load_corpus(out_dir)
 
 

@@ -3,17 +3,20 @@
     prefill:  one forward over the (left-padded) prompts, cache filled, logits of the last position
     decode:   one forward per new token over [B, 1] with the cache, sample, append, stop on EOS
 
-The speculative loop (``speculative_generate``) lives here too once drafters land; both share
-``encode`` / ``prefill`` and the stats dataclass.
+The speculative loops (``speculative_generate``, batch 1 with trees; ``speculative_generate_batch``, B rows
+of chains) live here too. Every loop shares ``check_request`` (argument validation), ``eos_set`` (one or several
+EOS ids) and ``emit`` (EOS / budget truncation); the two speculative loops share ``commit_step``.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
+from .models import sync
 from .sampling import SamplingConfig, probs_from, sample
 
 
@@ -46,11 +49,6 @@ class DecodeStats:
 class GenerateResult:
     tokens: list[list[int]]  # new tokens per row (stops after EOS, EOS kept)
     stats: DecodeStats
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def encode(tokenizer, prompts: list[str] | str, *, chat: bool = True, max_new_tokens: int = 0,
@@ -113,6 +111,37 @@ def check_fits(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
         )
 
 
+def check_request(model, input_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig,
+                  generator: torch.Generator | None) -> None:
+    """What every loop refuses up front: no budget, sampling without a generator, a prompt that does not fit."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not sampling.greedy and generator is None:
+        raise ValueError("sampling with temperature > 0 needs an explicit torch.Generator (generator=...)")
+    check_fits(model, input_ids, max_new_tokens)
+
+
+def eos_set(eos_token_id, model) -> frozenset[int]:
+    """The token ids that end a sequence: ``eos_token_id`` (an int or a list, as Llama-3 / Qwen configs
+    have), or the model config's when None. An empty set (e.g. ``eos_token_id=-1`` or a config without
+    one) never matches: the loop runs to ``max_new_tokens``."""
+    if eos_token_id is None:
+        eos_token_id = model.config.eos_token_id
+    if eos_token_id is None:
+        return frozenset()
+    ids = eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) else [eos_token_id]
+    return frozenset(int(i) for i in ids if int(i) >= 0)
+
+
+def emit(tokens: list[int], eos: frozenset[int], budget: int) -> list[int]:
+    """The tokens a step may emit: up to and including the first EOS, at most ``budget`` of them."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            tokens = tokens[: i + 1]
+            break
+    return tokens[:budget]
+
+
 def new_cache(model):
     from transformers import DynamicCache
 
@@ -137,35 +166,28 @@ def generate(
     max_new_tokens: int = 64,
     sampling: SamplingConfig = SamplingConfig(),
     generator: torch.Generator | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
 ) -> GenerateResult:
     """Plain autoregressive decoding. input_ids [B, L] (left-padded), attention_mask [B, L].
 
     Greedy when ``sampling.temperature == 0``; otherwise samples through ``generator``
     (required, so every random number comes from an explicit source).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not sampling.greedy and generator is None:
-        raise ValueError("sampling with temperature > 0 needs an explicit torch.Generator (generator=...)")
+    check_request(model, input_ids, max_new_tokens, sampling, generator)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    check_fits(model, input_ids, max_new_tokens)
-    if eos_token_id is None:
-        eos_token_id = model.config.eos_token_id
-    if isinstance(eos_token_id, (list, tuple)):
-        eos_token_id = eos_token_id[0]
+    eos = eos_set(eos_token_id, model)
     dev = input_ids.device
     B = input_ids.shape[0]
     stats = DecodeStats(rows=B)
     cache = new_cache(model)
 
     # 1. prefill
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     logits, pos = prefill(model, input_ids, attention_mask, cache)
     next_tok = sample(probs_from(logits, sampling), generator)  # [B]
-    _sync(dev)
+    sync(dev)
     stats.prefill_time = time.perf_counter() - t0
     stats.target_forwards = 1
 
@@ -174,16 +196,16 @@ def generate(
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=dev)
     next_pos = pos[:, -1:] + 1  # [B, 1]
     mask = attention_mask
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else eos_token_id
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else min(eos, default=0)
+    eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=dev)
     for t in range(max_new_tokens):
         # 2. record the token; rows that finished keep emitting padding (ignored)
         next_tok = torch.where(done, torch.full_like(next_tok, pad), next_tok)
         out[:, t] = next_tok
-        if eos_token_id is not None:
-            hit = (next_tok == eos_token_id) & ~done
-            lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
-            done = done | hit
-        if t == max_new_tokens - 1 or (eos_token_id is not None and bool(done.all())):
+        hit = torch.isin(next_tok, eos_ids) & ~done
+        lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+        done = done | hit
+        if t == max_new_tokens - 1 or bool(done.all()):
             break
         # 3. one decode forward over the new token
         t0 = time.perf_counter()
@@ -192,7 +214,7 @@ def generate(
                   past_key_values=cache, use_cache=True)
         next_tok = sample(probs_from(o.logits[:, -1, :], sampling), generator)
         next_pos = next_pos + 1
-        _sync(dev)
+        sync(dev)
         stats.step_times.append(time.perf_counter() - t0)
         stats.target_forwards += 1
 
@@ -222,15 +244,18 @@ class SpecStats(DecodeStats):
         """Per-position acceptance given that the previous positions were accepted."""
         return {d: self.pos_accepted.get(d, 0) / n for d, n in sorted(self.pos_tested.items()) if n}
 
-    @property
-    def mean_accepted(self) -> float:
-        steps = sum(self.accept_hist.values())
-        return sum(k * v for k, v in self.accept_hist.items()) / steps if steps else 0.0
+    def record(self, drafted: int, res) -> None:
+        """Count one verified draft (``res``: verify.VerifyResult)."""
+        self.drafted += drafted
+        self.accept_hist[res.n_accepted] = self.accept_hist.get(res.n_accepted, 0) + 1
+        for d, ok in res.tested:
+            self.pos_tested[d] = self.pos_tested.get(d, 0) + 1
+            self.pos_accepted[d] = self.pos_accepted.get(d, 0) + int(ok)
 
 
 @dataclass
 class SpecState:
-    """What a drafter may read. ``tokens`` = prompt + everything emitted so far (batch 1).
+    """What a drafter may read. ``tokens`` = prompt + everything emitted so far (one sequence).
 
     Invariant: the target cache holds ``tokens[:-1]``; the newest token is fed with the next draft.
     ``target_hidden`` [n, H]: the target's last-layer hidden states (after the final norm) of the
@@ -251,6 +276,9 @@ class Drafter:
     begin(state)                  a new sequence starts (reset caches)
     propose(state) -> DraftTree   guess continuations of state.tokens
     update(state, draft, result)  the verification result is known and state.tokens extended
+
+    ``needs_hidden``: the loop passes the target's final hidden states in ``state.target_hidden``.
+    ``forwards``: the drafter's own forward passes so far (the loops report the difference per call).
     """
 
     needs_hidden: bool = False
@@ -266,6 +294,81 @@ class Drafter:
         pass
 
 
+Acceptance = Literal["exact", "typical"]
+ACCEPTANCE = get_args(Acceptance)
+
+
+def accept(logits: torch.Tensor, draft, sampling: SamplingConfig, generator, acceptance: Acceptance = "exact"):
+    """Verify one draft against the target's logits [N + 1, V]: "exact" = greedy / lossless rejection
+    (verify.verify); "typical" = Medusa's typical acceptance (verify.typical_accept), LOSSY at T > 0."""
+    from .verify import typical_accept, verify
+
+    if acceptance == "exact":
+        return verify(logits, draft, sampling, generator)
+    return typical_accept(logits, draft, sampling, generator=generator)
+
+
+def fit_draft(draft, past: int, ctx: int):
+    """The draft cut to the model context: the root sits at position ``past``, a node of depth d at
+    ``past + 1 + d``, so only depths below ``ctx - past - 1`` fit (the rest are dropped before the forward,
+    never verified). Requests that fit (prompt + max_new_tokens <= ctx) always keep the root's bonus token."""
+    room = ctx - past - 1
+    return draft if len(draft) == 0 or room > int(draft.depths.max()) else draft.truncate_depth(room)
+
+
+def commit_step(state: SpecState, new: list[int], drafter: Drafter, draft, res, eos: frozenset[int],
+                max_new_tokens: int, stats: SpecStats) -> list[int]:
+    """After one verification: emit the accepted path + the next token (cut at EOS and at the budget),
+    extend the sequence, let the drafter roll its state back, count the step. Returns the emitted tokens."""
+    emitted = emit([int(draft.tokens[i]) for i in res.path] + [res.next_token], eos, max_new_tokens - len(new))
+    state.tokens.extend(emitted)
+    new.extend(emitted)
+    drafter.update(state, draft, res)
+    stats.record(len(draft), res)
+    return emitted
+
+
+def done(new: list[int], eos: frozenset[int], max_new_tokens: int) -> bool:
+    return len(new) >= max_new_tokens or new[-1] in eos
+
+
+def _target_block(target, cache, root: int, draft, past: int, hidden: bool):
+    """ONE target forward over [root] + draft tokens after ``past`` cached positions: causal for a chain,
+    tree attention (tree.block_inputs) otherwise."""
+    from .tree import block_inputs
+
+    dev = target.device
+    block = torch.tensor([[root] + draft.tokens.tolist()], device=dev)
+    if draft.is_chain:
+        pos = torch.arange(past, past + len(draft) + 1, device=dev)[None]
+        return target(input_ids=block, position_ids=pos, past_key_values=cache, use_cache=True,
+                      output_hidden_states=hidden)
+    mask4d, pos = block_inputs(draft.parents.cpu(), past, dtype=target.dtype, device=dev)
+    return target(input_ids=block, attention_mask=mask4d, position_ids=pos, past_key_values=cache, use_cache=True,
+                  output_hidden_states=hidden)
+
+
+def _start(target, drafter: Drafter, input_ids: torch.Tensor, cache, sampling: SamplingConfig, generator,
+           stats: SpecStats, attention_mask: torch.Tensor | None = None) -> tuple[list[int], object]:
+    """Step 0, the prefill: the first token of every row comes from its prompt's last position, as in plain
+    decoding. Returns (first tokens, the forward's output)."""
+    dev = input_ids.device
+    sync(dev)
+    t0 = time.perf_counter()
+    if attention_mask is None:
+        out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                     output_hidden_states=drafter.needs_hidden)
+    else:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # left padding: real tokens start at 0
+        out = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     past_key_values=cache, use_cache=True, logits_to_keep=1)
+    first = sample(probs_from(out.logits[:, -1, :], sampling), generator).tolist()
+    sync(dev)
+    stats.prefill_time = time.perf_counter() - t0
+    stats.target_forwards = 1
+    return first, out
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -275,11 +378,11 @@ def speculative_generate(
     max_new_tokens: int = 64,
     sampling: SamplingConfig = SamplingConfig(),
     generator: torch.Generator | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     trace: list | None = None,
-    acceptance: str = "exact",
+    acceptance: Acceptance = "exact",
 ) -> GenerateResult:
-    """The one speculative loop (design.md). input_ids [1, L]; any Drafter; lossless when the
+    """The one speculative loop. input_ids [1, L]; any Drafter (chains and trees); lossless when the
     drafter's q is the distribution it sampled from (verify.py).
 
     ``acceptance``: "exact" (greedy / lossless rejection, verify.verify) or "typical" — Medusa's typical
@@ -289,98 +392,81 @@ def speculative_generate(
     next token, bonus?) — what notebook 01 colours.
     """
     from .cache import crop_to, keep_positions
-    from .tree import block_inputs
-    from .verify import typical_accept, verify
 
-    if acceptance not in ("exact", "typical"):
+    if acceptance not in ACCEPTANCE:
         raise ValueError(f"acceptance must be 'exact' (lossless) or 'typical' (Medusa, lossy), got {acceptance!r}")
     if input_ids.shape[0] != 1:
         raise ValueError("speculative_generate runs one sequence (batch 1); use speculative_generate_batch for B > 1")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not sampling.greedy and generator is None:
-        raise ValueError("sampling with temperature > 0 needs an explicit torch.Generator (generator=...)")
-    check_fits(target, input_ids, max_new_tokens)
-    if eos_token_id is None:
-        eos_token_id = target.config.eos_token_id
+    check_request(target, input_ids, max_new_tokens, sampling, generator)
+    eos = eos_set(eos_token_id, target)
     dev = input_ids.device
     stats = SpecStats(rows=1)
     cache = new_cache(target)
     ctx = context_length(target)
-
-    # 0. prefill: the first token comes from the prompt's last position, as in plain decoding
-    _sync(dev)
-    t0 = time.perf_counter()
-    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                 output_hidden_states=drafter.needs_hidden)
-    first = int(sample(probs_from(out.logits[:, -1, :], sampling), generator)[0])
-    _sync(dev)
-    stats.prefill_time = time.perf_counter() - t0
-    stats.target_forwards = 1
-    state = SpecState(tokens=input_ids[0].tolist() + [first], prompt_len=input_ids.shape[1], sampling=sampling,
+    first, out = _start(target, drafter, input_ids, cache, sampling, generator, stats)
+    state = SpecState(tokens=input_ids[0].tolist() + first, prompt_len=input_ids.shape[1], sampling=sampling,
                       generator=generator, target=target,
                       target_hidden=out.hidden_states[-1][0] if drafter.needs_hidden else None)
-    new = [first]
+    new = list(first)
     drafter.begin(state)
     f0 = drafter.forwards
-    while len(new) < max_new_tokens and new[-1] != eos_token_id:
-        # 1. draft
+    while not done(new, eos, max_new_tokens):
+        # 1. draft (cut to the context if it would run past it)
         t0 = time.perf_counter()
-        draft = drafter.propose(state)
-        _sync(dev)
-        t1 = time.perf_counter()
-        n = len(draft)
         past = len(state.tokens) - 1
-        if past + 1 + n > ctx:
-            raise ValueError(f"sequence would exceed the model context ({ctx}); lower max_new_tokens")
-        # 2. one target forward over [last token] + draft (tree attention unless it is a chain)
-        block = torch.tensor([[state.tokens[-1]] + draft.tokens.tolist()], device=dev)
-        if draft.is_chain:
-            pos = torch.arange(past, past + n + 1, device=dev)[None]
-            out = target(input_ids=block, position_ids=pos, past_key_values=cache, use_cache=True,
-                         output_hidden_states=drafter.needs_hidden)
-        else:
-            mask4d, pos = block_inputs(draft.parents.cpu(), past, dtype=target.dtype, device=dev)
-            out = target(input_ids=block, attention_mask=mask4d, position_ids=pos, past_key_values=cache,
-                         use_cache=True, output_hidden_states=drafter.needs_hidden)
+        draft = fit_draft(drafter.propose(state), past, ctx)
+        sync(dev)
+        t1 = time.perf_counter()
+        # 2. one target forward over [last token] + draft
+        out = _target_block(target, cache, state.tokens[-1], draft, past, drafter.needs_hidden)
         # 3. verify: accepted path + correction/bonus
-        if acceptance == "exact":
-            res = verify(out.logits[0], draft, sampling, generator)
-        else:  # lossy
-            res = typical_accept(out.logits[0], draft, sampling, generator=generator)
-        # 4. keep only the accepted path in the target cache
+        res = accept(out.logits[0], draft, sampling, generator, acceptance)
+        # 4. keep only the accepted path in the target cache; commit
         if draft.is_chain:
             crop_to(cache, past + 1 + res.n_accepted)
         else:
             keep_positions(cache, past + 1, torch.tensor(res.path, dtype=torch.long))
-        emitted = [int(draft.tokens[i]) for i in res.path] + [res.next_token]
-        if eos_token_id in emitted:  # an EOS inside the draft ends the sequence: nothing after it
-            emitted = emitted[: emitted.index(eos_token_id) + 1]
-        emitted = emitted[: max_new_tokens - len(new)]
         if drafter.needs_hidden:
             rows = torch.tensor([0] + [i + 1 for i in res.path], device=dev)
             state.target_hidden = out.hidden_states[-1][0].index_select(0, rows)
-        state.tokens.extend(emitted)
-        new.extend(emitted)
-        drafter.update(state, draft, res)
+        emitted = commit_step(state, new, drafter, draft, res, eos, max_new_tokens, stats)
         if trace is not None:
             trace.append({"draft": draft.tokens.tolist(), "parents": draft.parents.tolist(), "path": res.path,
                           "next": res.next_token, "bonus": res.bonus, "emitted": emitted})
-        _sync(dev)
+        sync(dev)
         t2 = time.perf_counter()
-        # stats
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
         stats.step_times.append(t2 - t0)
         stats.target_forwards += 1
-        stats.drafted += n
-        stats.accept_hist[res.n_accepted] = stats.accept_hist.get(res.n_accepted, 0) + 1
-        for d, ok in res.tested:
-            stats.pos_tested[d] = stats.pos_tested.get(d, 0) + 1
-            stats.pos_accepted[d] = stats.pos_accepted.get(d, 0) + int(ok)
     stats.draft_forwards = drafter.forwards - f0
     stats.new_tokens = len(new)
     return GenerateResult(tokens=[new], stats=stats)
+
+
+def _batch_block(drafts: list, roots: list[int], valid: list[int], pad: int, ctx: int):
+    """Row r: [root] + its draft, padded to the longest -> input ids [B, n + 1], the block's 2D mask [B, n + 1]
+    (1 = a real slot) and position ids [B, n + 1] continuing each row's own count of real tokens."""
+    B, n_max = len(drafts), max(len(d) for d in drafts if d is not None)
+    block = torch.full((B, n_max + 1), pad, dtype=torch.long)
+    bmask = torch.zeros((B, n_max + 1), dtype=torch.long)
+    pos = torch.zeros((B, n_max + 1), dtype=torch.long)
+    for r, d in enumerate(drafts):
+        n = len(d) if d is not None else 0
+        block[r, 0] = roots[r]
+        if n:
+            block[r, 1:n + 1] = d.tokens
+        bmask[r, :n + 1] = 1
+        pos[r] = (valid[r] + torch.arange(n_max + 1)).clamp_max(ctx - 1)  # padded slots: any valid position
+    return block, bmask, pos
+
+
+def _chain_only(draft, r: int):
+    if not draft.is_chain:
+        raise ValueError(f"row {r}: speculative_generate_batch verifies chains only (its rollback leaves rejected "
+                         "slots as masked holes, which is wrong for trees); run tree drafters through "
+                         "speculative_generate one sequence at a time")
+    return draft
 
 
 @torch.inference_mode()
@@ -393,7 +479,7 @@ def speculative_generate_batch(
     max_new_tokens: int = 64,
     sampling: SamplingConfig = SamplingConfig(),
     generator: torch.Generator | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
 ) -> GenerateResult:
     """Chain speculation for B rows at once, each row accepting a different number of tokens.
 
@@ -401,29 +487,24 @@ def speculative_generate_batch(
     Instead of cropping a ragged cache, rejected draft slots stay in the target cache and are
     masked out forever in the 2D attention mask ("holes"); each row keeps its own position ids.
     Rows are verified independently, so each row's output is what it would get alone (exactly so
-    in greedy fp32 up to batched-matmul rounding).
+    in greedy fp32 up to batched-matmul rounding). Chains only, and drafters that read the target's
+    hidden states (Medusa, EAGLE) are refused: both need the batch-1 loop.
     """
-    from .verify import verify
-
     B = input_ids.shape[0]
     if len(drafters) != B:
         raise ValueError(f"need one drafter per row: {B} rows, {len(drafters)} drafters")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if not sampling.greedy and generator is None:
-        raise ValueError("sampling with temperature > 0 needs an explicit torch.Generator (generator=...)")
-    check_fits(target, input_ids, max_new_tokens)
-    if eos_token_id is None:
-        eos_token_id = target.config.eos_token_id
+    hidden = [type(d).__name__ for d in drafters if d.needs_hidden]
+    if hidden:
+        raise ValueError(f"speculative_generate_batch does not pass the target's hidden states; {hidden[0]} needs "
+                         "them (needs_hidden): run it through speculative_generate one sequence at a time")
+    check_request(target, input_ids, max_new_tokens, sampling, generator)
+    eos = eos_set(eos_token_id, target)
     dev = input_ids.device
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+    ctx = context_length(target)
     stats = SpecStats(rows=B)
     cache = new_cache(target)
-    t0 = time.perf_counter()
-    logits, _ = prefill(target, input_ids, attention_mask, cache)
-    first = sample(probs_from(logits, sampling), generator).tolist()
-    stats.prefill_time = time.perf_counter() - t0
-    stats.target_forwards = 1
+    first, _ = _start(target, drafters[0], input_ids, cache, sampling, generator, stats, attention_mask)
     mask = attention_mask.clone()
     valid = attention_mask.sum(-1).tolist()  # real tokens of each row in the cache
     states, new = [], []
@@ -433,55 +514,36 @@ def speculative_generate_batch(
                                 generator=generator, target=target))
         new.append([first[r]])
         drafters[r].begin(states[r])
-    active = [max_new_tokens > 1 and first[r] != eos_token_id for r in range(B)]
+    f0 = [d.forwards for d in drafters]
+    active = [not done(new[r], eos, max_new_tokens) for r in range(B)]
     while any(active):
+        # 1. draft every active row (cut to the context)
         t0 = time.perf_counter()
-        drafts = [drafters[r].propose(states[r]) if active[r] else None for r in range(B)]
+        drafts = [_chain_only(fit_draft(drafters[r].propose(states[r]), valid[r], ctx), r) if active[r] else None
+                  for r in range(B)]
         t1 = time.perf_counter()
-        n_max = max(len(d) for d in drafts if d is not None)
-        block = torch.full((B, n_max + 1), pad, dtype=torch.long)
-        bmask = torch.zeros((B, n_max + 1), dtype=mask.dtype)
-        pos = torch.zeros((B, n_max + 1), dtype=torch.long)
-        for r, d in enumerate(drafts):
-            n = len(d) if d is not None else 0
-            block[r, 0] = states[r].tokens[-1]
-            if n:
-                block[r, 1:n + 1] = d.tokens
-            bmask[r, :n + 1] = 1  # finished rows still feed one harmless query (masked out afterwards)
-            pos[r] = valid[r] + torch.arange(n_max + 1)
+        # 2. one batched forward; finished rows still feed one harmless query (masked out afterwards)
+        block, bmask, pos = _batch_block(drafts, [s.tokens[-1] for s in states], valid, pad, ctx)
         mask = torch.cat([mask, bmask.to(dev)], dim=1)
         out = target(input_ids=block.to(dev), attention_mask=mask, position_ids=pos.to(dev), past_key_values=cache,
                      use_cache=True)
-        base = mask.shape[1] - (n_max + 1)
+        base = mask.shape[1] - block.shape[1]
+        # 3. verify each row; 4. rejected and padded slots become holes; commit
         for r, d in enumerate(drafts):
             if d is None:
                 mask[r, base:] = 0
                 continue
-            n = len(d)
-            res = verify(out.logits[r, :n + 1], d, sampling, generator)
-            k = res.n_accepted
-            mask[r, base + 1 + k:] = 0  # rejected and padded slots become holes
-            valid[r] += 1 + k
-            emitted = [int(d.tokens[i]) for i in res.path] + [res.next_token]
-            if eos_token_id in emitted:
-                emitted = emitted[: emitted.index(eos_token_id) + 1]
-            emitted = emitted[: max_new_tokens - len(new[r])]
-            states[r].tokens.extend(emitted)
-            new[r].extend(emitted)
-            drafters[r].update(states[r], d, res)
-            stats.drafted += n
-            stats.accept_hist[k] = stats.accept_hist.get(k, 0) + 1
-            for dd, ok in res.tested:
-                stats.pos_tested[dd] = stats.pos_tested.get(dd, 0) + 1
-                stats.pos_accepted[dd] = stats.pos_accepted.get(dd, 0) + int(ok)
-            if len(new[r]) >= max_new_tokens or new[r][-1] == eos_token_id:
-                active[r] = False
-        _sync(dev)
+            res = accept(out.logits[r, :len(d) + 1], d, sampling, generator)
+            mask[r, base + 1 + res.n_accepted:] = 0
+            valid[r] += 1 + res.n_accepted
+            commit_step(states[r], new[r], drafters[r], d, res, eos, max_new_tokens, stats)
+            active[r] = not done(new[r], eos, max_new_tokens)
+        sync(dev)
         t2 = time.perf_counter()
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
         stats.step_times.append(t2 - t0)
         stats.target_forwards += 1
-    stats.draft_forwards = sum(d.forwards for d in drafters)
+    stats.draft_forwards = sum(d.forwards - f for d, f in zip(drafters, f0))
     stats.new_tokens = sum(len(x) for x in new)
     return GenerateResult(tokens=new, stats=stats)

@@ -112,7 +112,7 @@ def build(target, corpus: Corpus, layers: tuple[int, ...], out: Path, batch_toke
             ids[r, :len(s)] = torch.from_numpy(s)
             mask[r, :len(s)] = 1
         o = target.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True)
-        hs = [o.last_hidden_state if l == -1 else o.hidden_states[l] for l in layers]
+        hs = [o.last_hidden_state if i == -1 else o.hidden_states[i] for i in layers]
         stacked = torch.stack(hs, dim=2).to(torch.bfloat16).cpu()  # [B, L, n_layers, H]
         for r, (i, s) in enumerate(zip(b, seqs)):
             off = int(corpus.index[i, 0])

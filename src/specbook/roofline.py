@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .models import sync
+
 
 @dataclass(frozen=True)
 class Accelerator:
@@ -25,20 +27,19 @@ class Accelerator:
 
 # Datasheet figures (dense, no structured sparsity). Sources are the vendors' own pages/PDFs.
 DATASHEET: dict[str, Accelerator] = {
-    "H100 SXM": Accelerator("H100 SXM", 3350, 989, "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 3.35 TB/s HBM3; BF16 1,979 TFLOPS with sparsity -> 989 dense)"),
-    "H200 SXM": Accelerator("H200 SXM", 4800, 989, "NVIDIA H200 Tensor Core GPU datasheet (4.8 TB/s HBM3e; BF16 1,979 TFLOPS with sparsity -> 989 dense)"),
-    "A100 80GB SXM": Accelerator("A100 80GB SXM", 2039, 312, "NVIDIA A100 datasheet (80GB SXM: 2,039 GB/s HBM2e; BF16 312 TFLOPS dense)"),
+    "H100 SXM": Accelerator("H100 SXM", 3350, 989, "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 3.35 TB/s HBM3; "
+                            "BF16 1,979 TFLOPS with sparsity -> 989 dense)"),
+    "H200 SXM": Accelerator("H200 SXM", 4800, 989, "NVIDIA H200 Tensor Core GPU datasheet (4.8 TB/s HBM3e; "
+                            "BF16 1,979 TFLOPS with sparsity -> 989 dense)"),
+    "A100 80GB SXM": Accelerator("A100 80GB SXM", 2039, 312,
+                                 "NVIDIA A100 datasheet (80GB SXM: 2,039 GB/s HBM2e; BF16 312 TFLOPS dense)"),
     "L4": Accelerator("L4", 300, 121, "NVIDIA L4 datasheet (300 GB/s GDDR6; BF16 242 TFLOPS with sparsity -> 121 dense)"),
-    "RTX 4090": Accelerator("RTX 4090", 1008, 165.2, "NVIDIA Ada Lovelace architecture whitepaper, RTX 4090 (1,008 GB/s GDDR6X; BF16 tensor 165.2 TFLOPS dense, FP32 accumulate)"),
+    "RTX 4090": Accelerator("RTX 4090", 1008, 165.2, "NVIDIA Ada Lovelace architecture whitepaper, RTX 4090 "
+                            "(1,008 GB/s GDDR6X; BF16 tensor 165.2 TFLOPS dense, FP32 accumulate)"),
 }
 
 
 # --------------------------------------------------------------------------- measurements
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_bandwidth(size_mb: int = 512, repeats: int = 5, device: str | torch.device = "cpu") -> float:
@@ -52,10 +53,10 @@ def measure_bandwidth(size_mb: int = 512, repeats: int = 5, device: str | torch.
     x.sum()  # warm-up: page-in, thread pool
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         x.sum()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best / 1e9
 
@@ -69,10 +70,10 @@ def measure_matmul_tflops(n: int = 1024, dtype: torch.dtype = torch.float32, rep
     a @ b
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         a @ b
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best / 1e12
 
@@ -169,10 +170,10 @@ def profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: 
         pos = torch.arange(context, context + k, device=dev)[None].expand(batch, k)
         best = float("inf")
         for _ in range(repeats + 1):  # first run is a warm-up
-            _sync(dev)
+            sync(dev)
             t = time.perf_counter()
             model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
-            _sync(dev)
+            sync(dev)
             best = min(best, time.perf_counter() - t)
             crop_to(cache, context)
         out[int(k)] = best

@@ -1,7 +1,7 @@
 """Logits -> probabilities (temperature, top-k, top-p) and sampling with an explicit Generator.
 
 Everything here is a small pure function on tensors whose last dimension is the vocabulary.
-Probabilities are always computed in float32 (design.md: a q you did not sample from, or one
+Probabilities are always computed in float32 (a q you did not sample from, or one
 computed in another precision than you sampled in, breaks losslessness).
 
 temperature == 0 means greedy: the "distribution" is one-hot at the argmax, so the same

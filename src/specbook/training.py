@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
 # --------------------------------------------------------------------------- data
 
 

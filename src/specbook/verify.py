@@ -28,10 +28,16 @@ Typical acceptance (Medusa) is *lossy* and lives in ``typical_accept`` with that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 from .sampling import SamplingConfig, probs_from, sample
+from .tree import children_of as _children
+from .tree import depths
+
+Children = Literal["onehot", "iid"]
+CHILDREN = get_args(Children)
 
 
 @dataclass
@@ -42,12 +48,18 @@ class DraftTree:
     parents [N] long     parent index, topologically ordered (parents[i] < i)
     q       [N, V] f32   the distribution node i was sampled from, or None (all one-hot)
     confidence [N]       optional drafter confidence (EAGLE-2 / DSpark scheduling)
+    children             how siblings were drawn — the contract that makes verification lossless:
+                         "onehot": deterministic picks (q = None; duplicates are wasted, never wrong);
+                         "iid": independent draws from ONE q per parent (every sibling carries the same q row).
+                         Default: "onehot" when q is None, else "iid". Sampling without replacement is
+                         neither and has no lossless rule here: declare it and verification refuses it.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     q: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
+    children: Children | None = None
 
     def __post_init__(self):
         n = self.tokens.shape[0]
@@ -59,6 +71,13 @@ class DraftTree:
             raise ValueError("parents must be -1 (root) or a node index")
         if self.q is not None and self.q.shape[0] != n:
             raise ValueError(f"q must have one row per node ({n}), got {self.q.shape[0]}")
+        if self.children is None:
+            self.children = "onehot" if self.q is None else "iid"
+        if self.children not in CHILDREN:
+            raise ValueError(f"children must be one of {CHILDREN} (how siblings were drawn), got {self.children!r}")
+        if (self.children == "onehot") != (self.q is None):
+            raise ValueError(f"children={self.children!r} with q {'missing' if self.q is None else 'given'}: one-hot "
+                             "picks carry q=None, i.i.d. draws carry the q they were drawn from")
 
     @staticmethod
     def chain(tokens: torch.Tensor, q: torch.Tensor | None = None) -> "DraftTree":
@@ -73,6 +92,34 @@ class DraftTree:
         n = len(self)
         return bool(torch.equal(self.parents.cpu(), torch.arange(-1, n - 1)))
 
+    @property
+    def depths(self) -> torch.Tensor:
+        """[N] depth of every node (children of the root: 0)."""
+        return depths(self.parents.cpu())
+
+    def truncate_depth(self, max_depth: int) -> "DraftTree":
+        """The sub-tree of nodes with depth < ``max_depth`` (closed under ancestors; parents re-indexed)."""
+        keep = (self.depths < max_depth).nonzero().flatten()
+        new = torch.full((len(self),), -1, dtype=torch.long)
+        new[keep] = torch.arange(len(keep))
+        par = self.parents.cpu()[keep]
+        parents = torch.where(par >= 0, new[par.clamp_min(0)], par).to(self.parents.device)
+        pick = keep.to(self.tokens.device)
+        return DraftTree(self.tokens[pick], parents, None if self.q is None else self.q[keep.to(self.q.device)],
+                         None if self.confidence is None else self.confidence[keep.to(self.confidence.device)],
+                         self.children)
+
+    def check_siblings(self) -> None:
+        """Raise if i.i.d. siblings do not share one q row (the cheap part of the contract; verify calls it)."""
+        if self.children != "iid" or self.is_chain:
+            return
+        ch = _children(self.parents.tolist(), len(self))
+        for parent, kids in ch.items():
+            for c in kids[1:]:
+                if not torch.equal(self.q[c], self.q[kids[0]]):
+                    raise ValueError(f"siblings {kids[0]} and {c} (children of {parent}) carry different q rows: "
+                                     "i.i.d. siblings must all be drawn from one distribution")
+
 
 @dataclass
 class VerifyResult:
@@ -84,14 +131,6 @@ class VerifyResult:
     @property
     def n_accepted(self) -> int:
         return len(self.path)
-
-
-def _children(parents: list[int], n: int) -> dict[int, list[int]]:
-    ch: dict[int, list[int]] = {-1: []}
-    for i in range(n):
-        ch.setdefault(parents[i], []).append(i)
-        ch.setdefault(i, [])
-    return ch
 
 
 def accept_prob(px: float, qx: float) -> float:
@@ -125,31 +164,15 @@ def verify(p: torch.Tensor, draft: DraftTree, sampling: SamplingConfig, generato
     n = len(draft)
     if p.shape[0] != n + 1:
         raise ValueError(f"p must have N + 1 = {n + 1} rows (root + nodes), got {p.shape[0]}")
+    draft.check_siblings()
     tokens = draft.tokens.tolist()
-    parents = draft.parents.tolist()
-    ch = _children(parents, n)
-    depth = [0] * n
-    for i in range(n):
-        depth[i] = 0 if parents[i] < 0 else depth[parents[i]] + 1
+    ch = _children(draft.parents.tolist(), n)
+    depth = draft.depths.tolist()
     tested: list[tuple[int, bool]] = []
     path: list[int] = []
 
     if sampling.greedy:  # deterministic: no random numbers
-        best = p.argmax(-1).tolist()  # [N + 1]
-        node = -1
-        while True:
-            want = best[node + 1]
-            nxt = None
-            for c in ch[node]:
-                ok = tokens[c] == want
-                tested.append((depth[c], ok))
-                if ok:
-                    nxt = c
-                    break
-            if nxt is None:
-                return VerifyResult(path, want, bonus=not ch[node], tested=tested)
-            path.append(nxt)
-            node = nxt
+        return _verify_greedy(p.argmax(-1).tolist(), tokens, ch, depth)
 
     if generator is None:
         raise ValueError("lossless verification at temperature > 0 needs an explicit torch.Generator")
@@ -188,37 +211,64 @@ def verify(p: torch.Tensor, draft: DraftTree, sampling: SamplingConfig, generato
         cur = P[node + 1]
 
 
-def typical_accept(p_logits: torch.Tensor, draft: DraftTree, sampling: SamplingConfig, eps: float = 0.09,
-                   delta: float = 0.3, generator: torch.Generator | None = None) -> VerifyResult:
-    """Medusa's typical acceptance — **LOSSY**: the output is *not* distributed as the target's.
-
-    Accept x if p(x) > min(eps, delta * exp(-H(p))) (Cai et al. 2024, sec. 2.3.1); among accepted
-    children the first in tree order is taken; the next token is the target's argmax at the last
-    accepted node (Medusa's choice; it keeps greedy behaviour at low entropy).
-    """
-    n = len(draft)
-    P = probs_from(p_logits, SamplingConfig(temperature=max(sampling.temperature, 1e-5)))
-    ent = -(P * P.clamp_min(1e-30).log()).sum(-1)  # [N + 1]
-    thresh = torch.minimum(torch.full_like(ent, eps), delta * torch.exp(-ent))
-    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
-    ch = _children(parents, n)
-    path, tested, node = [], [], -1
-    depth = {}
-    for i in range(n):
-        depth[i] = 0 if parents[i] < 0 else depth[parents[i]] + 1
+def _verify_greedy(best: list[int], tokens: list[int], ch: dict[int, list[int]], depth: list[int]) -> VerifyResult:
+    """Temperature 0: descend into the child whose token is the target's argmax ``best[node + 1]``."""
+    tested: list[tuple[int, bool]] = []
+    path: list[int] = []
+    node = -1
     while True:
+        want = best[node + 1]
         nxt = None
         for c in ch[node]:
-            ok = float(P[node + 1, tokens[c]]) > float(thresh[node + 1])
+            ok = tokens[c] == want
             tested.append((depth[c], ok))
             if ok:
                 nxt = c
                 break
         if nxt is None:
-            if sampling.greedy or generator is None:
-                tok = int(P[node + 1].argmax())
-            else:
-                tok = int(sample(probs_from(p_logits[node + 1], sampling), generator))
-            return VerifyResult(path, tok, bonus=not ch[node], tested=tested)
+            return VerifyResult(path, want, bonus=not ch[node], tested=tested)
         path.append(nxt)
         node = nxt
+
+
+def typical_accept(p_logits: torch.Tensor, draft: DraftTree, sampling: SamplingConfig, eps: float = 0.09,
+                   delta: float = 0.3, generator: torch.Generator | None = None) -> VerifyResult:
+    """Medusa's typical acceptance — **LOSSY** at T > 0: the output is *not* distributed as the target's.
+
+    Medusa's rule (Cai et al. 2024, sec. 2.3.1): a token x after a node is typical if
+    p(x) > min(eps, delta * exp(-H(p))), with p the target's distribution at the run's temperature.
+    Every candidate (a root-to-leaf path, tree order) keeps its longest typical prefix; the longest
+    prefix over all candidates is accepted (ties: the first candidate). The next token is then drawn
+    from the target's distribution at the last accepted node (argmax at temperature 0).
+    At temperature 0 this is exactly greedy verification (only the argmax is typical), so it runs
+    as ``verify`` there: no 1e-5 temperature, exact on logit ties.
+    """
+    if sampling.greedy:
+        return verify(p_logits, draft, sampling)
+    if generator is None:
+        raise ValueError("typical acceptance at temperature > 0 needs an explicit torch.Generator")
+    from .tree import leaf_paths
+
+    P = probs_from(p_logits, sampling)  # [N + 1, V]
+    ent = -(P * P.clamp_min(1e-30).log()).sum(-1)  # [N + 1]
+    thresh = torch.minimum(torch.full_like(ent, eps), delta * torch.exp(-ent))
+    tokens, parents, depth = draft.tokens.tolist(), draft.parents.tolist(), draft.depths.tolist()
+    ok = [float(P[parents[i] + 1, tokens[i]]) > float(thresh[parents[i] + 1]) for i in range(len(draft))]
+    best: list[int] = []
+    for cand in leaf_paths(draft.parents):
+        acc = []
+        for i in cand:
+            if not ok[i]:
+                break
+            acc.append(i)
+        if len(acc) > len(best):
+            best = acc
+    # conditional per-position acceptance: every node whose ancestors were all typical was tested
+    reach: list[bool] = []
+    for i in range(len(draft)):
+        reach.append(parents[i] < 0 or (reach[parents[i]] and ok[parents[i]]))
+    tested = [(depth[i], ok[i]) for i in range(len(draft)) if reach[i]]
+    last = best[-1] if best else -1
+    tok = int(sample(P[last + 1], generator))
+    has_child = any(p == last for p in parents)
+    return VerifyResult(best, tok, bonus=not has_child, tested=tested)

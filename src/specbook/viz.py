@@ -1,7 +1,7 @@
 """Plots and widgets for the notebooks.
 
 A widget's callback is a plain function here (``speedup_view`` ...), also called directly once
-in each notebook so the headless test run exercises it (design.md).
+in each notebook so the headless test run exercises it.
 """
 
 from __future__ import annotations
@@ -231,7 +231,8 @@ def medusa_view(target, heads, vocab, acc, tokenizer, prompt: str, n_nodes: int 
     import matplotlib.pyplot as plt
 
     from .decoding import encode, speculative_generate
-    from .drafters.medusa import MedusaDrafter, sparse_tree
+    from .drafters.medusa import MedusaDrafter
+    from .tree import sparse_tree
 
     choices = sparse_tree([row[:top_k] for row in acc], n_nodes)
     drafter = MedusaDrafter(target, heads, choices, vocab=vocab)
@@ -273,10 +274,10 @@ def eagle_view(target, head, vocab, tokenizer, prompt: str, depth: int = 5, top_
     import matplotlib.pyplot as plt
 
     from .decoding import encode, speculative_generate
-    from .drafters.eagle import EagleDrafter
+    from .drafters.eagle import Eagle2Drafter
 
     total_tokens = max(total_tokens, depth)
-    drafter = EagleDrafter(target, head, vocab, depth=depth, top_k=top_k, total_tokens=total_tokens)
+    drafter = Eagle2Drafter(target, head, vocab, depth=depth, top_k=top_k, total_tokens=total_tokens)
     ids, _ = encode(tokenizer, prompt, device=target.device)
     trace: list = []
     conf: list = []

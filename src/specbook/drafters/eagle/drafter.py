@@ -1,0 +1,276 @@
+"""EAGLE drafting on the target's features: one head runner (draft KV cache over committed positions,
+catch-up with the target's true features, tree-attention expansion) under two drafters — ``EagleDrafter``
+(EAGLE-1, a static tree) and ``Eagle2Drafter`` (EAGLE-2, a dynamic tree)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from ...decoding import Drafter, SpecState
+from ...roofline import auto_size
+from ...tree import additive_mask, tree_from_choices
+from ...verify import DraftTree
+from .. import head_rows
+from .dynamic import Pool, grow_dynamic, worth_expanding
+from .head import EagleHead
+
+
+class EagleRunner(Drafter):
+    """What both EAGLE drafters share: the head on the target's features and its own KV cache.
+
+    head          EagleHead on the target's device / dtype
+    vocab         [Vd] token ids the head may propose (None = full vocabulary)
+    top_k         children per expanded node (the widest rank a tree asks of one draft forward)
+
+    Draft KV cache: committed positions only, computed from the target's TRUE features. Tree nodes are
+    appended while drafting and cropped away afterwards; the accepted tokens are re-run with the target's
+    features at the next step (as the EAGLE reference does), so after every step the draft cache equals one
+    recomputed from the committed tokens. Subclasses implement ``_draft(lp_root, f_root, start)``.
+    """
+
+    needs_hidden = True
+
+    def __init__(self, target, head: EagleHead, vocab: torch.Tensor | None = None, *, top_k: int = 4):
+        W, self.vocab = head_rows(target.get_output_embeddings().weight, vocab)
+        if next(head.parameters()).device != W.device:
+            raise ValueError(f"the EAGLE head is on {next(head.parameters()).device} but the target is on {W.device}; "
+                             "move both to one device")
+        if head.hidden != target.config.hidden_size:
+            raise ValueError(f"the EAGLE head has width {head.hidden}, the target {target.config.hidden_size}: "
+                             "it was built for another target")
+        if not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+        if top_k > W.shape[0]:
+            raise ValueError(f"top_k {top_k} is above the head vocabulary ({W.shape[0]} tokens)")
+        self.target, self.head, self.W = target, head.eval(), W.contiguous()
+        self.E = target.get_input_embeddings()
+        self.top_k = top_k
+        self.forwards = 0
+        self.cache, self.n_cached = None, 0
+
+    def begin(self, state: SpecState) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.head.model.config)
+        self.n_cached = 0
+
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        return self.E(torch.tensor([ids], device=self.W.device)).to(self.W.dtype)
+
+    def _logp(self, f: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax((f @ self.W.T).float(), -1)  # draft confidence at T = 1 (EAGLE-2)
+
+    def _catch_up(self, state: SpecState) -> torch.Tensor:
+        """Feed the committed positions the head has not seen, with the target's true features;
+        returns f^ for the newest token's successor position [H]."""
+        n = len(state.tokens) - 1  # positions 0..n-1 have target features; token n is the newest
+        hid = state.target_hidden
+        first = n - hid.shape[0]
+        if first != self.n_cached:
+            raise RuntimeError(f"EAGLE draft cache holds {self.n_cached} positions but the new target features start "
+                               f"at {first}: call begin() for a new sequence")
+        pos = torch.arange(first, n, device=self.W.device)[None]
+        f = self.head(self._embed(state.tokens[first + 1:n + 1]), hid[None].to(self.W.dtype), position_ids=pos,
+                      cache=self.cache)
+        self.forwards += 1
+        self.n_cached = n
+        return f[0, -1]
+
+    def _expand(self, toks: list[int], feats: torch.Tensor, depth0: int, anc: list[list[int]], n_tree: int):
+        """One draft forward over a block of tree nodes (tree attention inside the draft's own cache).
+
+        toks [F] node tokens; feats [F, H] their parents' predicted features; depth0: the block's depth
+        (0 = children of the root); anc[i]: indices (in append order) of node i's ancestors already in
+        the draft cache after the committed prefix; n_tree: tree nodes already appended.
+        -> predicted features [F, H] (inputs of the nodes' children)
+        """
+        F = len(toks)
+        n = self.n_cached
+        allowed = torch.zeros(F, n + n_tree + F, dtype=torch.bool)
+        allowed[:, :n] = True
+        for i, a in enumerate(anc):
+            allowed[i, [n + j for j in a]] = True
+            allowed[i, n + n_tree + i] = True
+        mask = additive_mask(allowed, self.W.dtype)[None, None]
+        pos = torch.full((1, F), n + depth0, dtype=torch.long, device=self.W.device)
+        out = self.head(self._embed(toks), feats[None], position_ids=pos, attention_mask=mask.to(self.W.device),
+                        cache=self.cache)
+        self.forwards += 1
+        return out[0]
+
+    @torch.inference_mode()
+    def measure_draft_cost(self, context: int = 256, repeats: int = 5) -> float:
+        """Median seconds of one draft forward over ``top_k`` tree nodes (head + log-softmax over the head
+        vocabulary) after ``context`` cached positions: the ``draft_cost`` of the auto tree size."""
+        import time
+
+        from transformers import DynamicCache
+
+        from ...cache import crop_to
+
+        saved = (self.cache, self.n_cached, self.forwards)  # profiling is not drafting: all restored below
+        H, k = self.W.shape[1], self.top_k
+        try:
+            self.cache = DynamicCache(config=self.head.model.config)
+            feats = torch.zeros(1, context, H, dtype=self.W.dtype, device=self.W.device)
+            self.head(self._embed([0] * context), feats, position_ids=torch.arange(context, device=self.W.device)[None],
+                      cache=self.cache)
+            self.n_cached = context
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up
+                t0 = time.perf_counter()
+                self._logp(self._expand([0] * k, feats[0, :k], 0, [[] for _ in range(k)], 0))
+                times.append(time.perf_counter() - t0)
+                crop_to(self.cache, context)
+        finally:
+            self.cache, self.n_cached, self.forwards = saved
+        return sorted(times[1:])[repeats // 2]
+
+    def _ids(self, idx: torch.Tensor) -> list[int]:
+        return (self.vocab[idx] if self.vocab is not None else idx).tolist()
+
+    @torch.inference_mode()
+    def propose(self, state: SpecState) -> DraftTree:
+        from ...cache import crop_to
+
+        start = self.forwards  # this step's draft forwards = self.forwards - start
+        f_root = self._catch_up(state)
+        tree = self._draft(self._logp(f_root), f_root, start)
+        crop_to(self.cache, self.n_cached)  # drop the tree: only committed positions stay
+        return tree
+
+    def _draft(self, lp_root: torch.Tensor, f_root: torch.Tensor, start: int) -> DraftTree:  # pragma: no cover
+        raise NotImplementedError
+
+
+def measure_draft_cost(target, head: EagleHead, vocab: torch.Tensor | None = None, top_k: int = 4,
+                       context: int = 256, repeats: int = 5) -> float:
+    """Median seconds of one EAGLE draft forward over ``top_k`` tree nodes after ``context`` cached positions
+    (EagleRunner.measure_draft_cost on a fresh runner): the ``draft_cost`` of Eagle2Drafter's auto size."""
+    return EagleRunner(target, head, vocab, top_k=top_k).measure_draft_cost(context, repeats)
+
+
+class EagleDrafter(EagleRunner):
+    """EAGLE-1: the head drafts a fixed tree, ``choices`` (Medusa-style rank paths, tree.tree_from_choices;
+    ``tree.chain_choices(d)`` = a chain of d top-1 tokens; ``static.static_tree`` = the sparse
+    tree from the head's rank accuracies). Children are top-k picks: one-hot q, lossless at any temperature."""
+
+    def __init__(self, target, head: EagleHead, vocab: torch.Tensor | None = None, *,
+                 choices: list[tuple[int, ...]]):
+        nodes, parents = tree_from_choices(choices)
+        super().__init__(target, head, vocab, top_k=max(c[-1] for c in nodes) + 1)
+        self.nodes, self.parents = nodes, parents
+        self.depth = max(len(c) for c in nodes)
+
+    def _draft(self, lp_root: torch.Tensor, f_root: torch.Tensor, start: int) -> DraftTree:
+        nodes, parents = self.nodes, self.parents
+        index = {c: i for i, c in enumerate(nodes)}
+        tok = [0] * len(nodes)
+        score = [0.0] * len(nodes)
+        v, i = lp_root.topk(self.top_k)
+        ids = self._ids(i)
+        for c in nodes:
+            if len(c) == 1:
+                tok[index[c]], score[index[c]] = ids[c[0]], float(v[c[0]])
+        slot, n_tree = {}, 0
+        feat_of = {(): f_root}
+        for d in range(1, self.depth):
+            # nodes at depth d that have children in the spec
+            block = [c for c in nodes if len(c) == d and any(len(x) == d + 1 and x[:d] == c for x in nodes)]
+            if not block:
+                break
+            anc = [[slot[c[:m]] for m in range(1, d)] for c in block]
+            f = self._expand([tok[index[c]] for c in block], torch.stack([feat_of[c[:-1]] for c in block]), d - 1,
+                             anc, n_tree)
+            for r, c in enumerate(block):
+                slot[c] = n_tree
+                n_tree += 1
+                feat_of[c] = f[r]
+            lp = self._logp(f)
+            cv, ci = lp.topk(self.top_k, dim=-1)
+            for r, c in enumerate(block):
+                ids = self._ids(ci[r])
+                for x in nodes:
+                    if len(x) == d + 1 and x[:d] == c:
+                        tok[index[x]] = ids[x[-1]]
+                        score[index[x]] = score[index[c]] + float(cv[r, x[-1]])
+        return DraftTree(torch.tensor(tok, dtype=torch.long), parents.clone(), confidence=torch.tensor(score).exp())
+
+
+class Eagle2Drafter(EagleRunner):
+    """EAGLE-2: a dynamic tree per step (dynamic.grow_dynamic -> Pool.tree), children top-k picks (one-hot q).
+
+    depth, top_k  drafting steps and children per expanded node
+    total_tokens  nodes kept after reranking, or "auto" (per step, from ``latency``)
+    latency       {k: seconds} target forward latency curve (roofline.profile_latency_vs_k), for "auto"
+    draft_cost    seconds per draft forward (``measure_draft_cost``), for "auto": the step's drafting time joins
+                  the cost model, and the expansion stops early once another depth cannot pay (``worth_expanding``)
+    calibration   for "auto": accepted tokens per unit of draft confidence (``confidence_calibration(card, T)``);
+                  the cost model values a node at min(1, calibration x its path confidence). 1.0 = the paper's
+                  confidence-as-acceptance. Only the tree's size and depth move: proposals stay top-k picks.
+    """
+
+    def __init__(self, target, head: EagleHead, vocab: torch.Tensor | None = None, *, depth: int = 5,
+                 top_k: int = 4, total_tokens: int | Literal["auto"] = 16, latency: dict[int, float] | None = None,
+                 max_auto: int = 64, draft_cost: float | None = None, calibration: float = 1.0):
+        super().__init__(target, head, vocab, top_k=top_k)
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+        if total_tokens == "auto":
+            if not latency:
+                raise ValueError("total_tokens='auto' needs the target's latency curve: "
+                                 "latency=roofline.profile_latency_vs_k(target)")
+        elif not isinstance(total_tokens, int) or total_tokens < depth:
+            raise ValueError(f"total_tokens ({total_tokens!r}) must be an int >= depth ({depth}) or 'auto': "
+                             "a smaller tree cannot hold one path of every drafted depth")
+        if draft_cost is not None and not (isinstance(draft_cost, (int, float)) and draft_cost >= 0):
+            raise ValueError(f"draft_cost must be seconds >= 0 (measure_draft_cost), got {draft_cost!r}")
+        if not (isinstance(calibration, (int, float)) and calibration > 0):
+            raise ValueError(f"calibration must be > 0 (confidence_calibration(card)), got {calibration!r}")
+        self.depth = depth
+        self.total_tokens, self.latency, self.max_auto, self.draft_cost = total_tokens, latency, max_auto, draft_cost
+        self.calibration = float(calibration)
+
+    def _draft(self, lp_root: torch.Tensor, f_root: torch.Tensor, start: int) -> DraftTree:
+        out_feat: dict[int, torch.Tensor] = {-1: f_root}  # pool index -> its predicted feature (children's input)
+        slot: dict[int, int] = {}  # pool index -> append order in the draft cache
+        n_tree = [0]
+
+        def expand(pool: Pool, frontier: list[int]) -> torch.Tensor:
+            anc = []
+            for j in frontier:
+                a, x = [], pool.par[j]
+                while x >= 0:
+                    a.append(slot[x])
+                    x = pool.par[x]
+                anc.append(a)
+            f = self._expand([pool.tok[j] for j in frontier], torch.stack([out_feat[pool.par[j]] for j in frontier]),
+                             pool.dep[frontier[0]], anc, n_tree[0])
+            for r, j in enumerate(frontier):
+                slot[j], out_feat[j] = n_tree[0], f[r]
+                n_tree[0] += 1
+            return self._logp(f)
+
+        auto = self.total_tokens == "auto"
+        c = self.draft_cost or 0.0
+
+        cal = self.calibration
+
+        def confidences(pool: Pool) -> list[float]:  # the cost model's acceptance estimate per node, best first
+            return sorted((min(1.0, cal * math.exp(s)) for s in pool.score), reverse=True)
+
+        def keep_going(pool: Pool, frontier: list[int]) -> bool:
+            mass = cal * sum(math.exp(pool.score[j]) for j in frontier)
+            return worth_expanding(confidences(pool), mass, self.latency, self.max_auto,
+                                   (self.forwards - start) * c, c)
+
+        pool = grow_dynamic(lp_root, expand, self.depth, self.top_k, to_tokens=self._ids,
+                            keep_going=keep_going if auto and self.draft_cost is not None else None)
+        if auto:
+            total = auto_size(confidences(pool), self.latency, self.max_auto, (self.forwards - start) * c)
+        else:
+            total = self.total_tokens
+        return pool.tree(total)

@@ -1,0 +1,110 @@
+"""EAGLE-2's dynamic draft tree: expansion by cumulative draft confidence (``grow_dynamic``), reranking
+(``select_nodes`` / ``Pool.tree``), and the cost model that sizes it per step from the target's measured
+latency curve (``worth_expanding``; ``roofline.auto_size``), reading confidences through the head's
+calibration (``confidence_calibration``)."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from ...roofline import interp_latency, step_rates
+from ...verify import DraftTree
+
+
+def select_nodes(scores: list[float], parents: list[int], total: int) -> list[int]:
+    """EAGLE-2 reranking: the ``total`` candidates of highest score whose ancestors are all kept.
+
+    Scores are cumulative log-probabilities, so a child never beats its parent; ties go to the
+    shallower / earlier node, which keeps the selection closed under ancestors. Returned in
+    topological (input) order.
+    """
+    if total < 1:
+        raise ValueError(f"total_tokens must be >= 1, got {total}")
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    keep: set[int] = set()
+    for i in order:
+        if len(keep) >= total:
+            break
+        if parents[i] < 0 or parents[i] in keep:
+            keep.add(i)
+    return sorted(keep)
+
+
+def worth_expanding(values: list[float], frontier_mass: float, latency: dict[int, float], max_nodes: int,
+                    overhead: float, draft_cost: float) -> bool:
+    """Early stop of EAGLE-2's expansion (not in the paper): is one more draft forward worth its time?
+
+    The children of the frontier hold at most ``frontier_mass`` (the frontier's summed path confidence:
+    a node's children share its probability). Even if all of it joined the best tree and verification
+    cost nothing extra, the rate is at most max_k (1 + S_k + mass) / (overhead + draft_cost + latency(k + 1)).
+    Expand only if that beats the best rate of the tree already in hand; later depths hold no more mass
+    per forward, so (up to the small growth of latency with the tree) a depth that cannot pay means none
+    after it can."""
+    now = max(step_rates(values, latency, max_nodes, overhead), default=0.0)
+    best, acc = 0.0, 1.0 + frontier_mass
+    for k in range(1, max_nodes + 1):
+        acc += values[k - 1] if k <= len(values) else 0.0
+        best = max(best, acc / (overhead + draft_cost + interp_latency(latency, k + 1)))
+    return best > now
+
+
+@dataclass
+class Pool:
+    """Candidate nodes of a dynamic tree, in creation order (parents before children)."""
+
+    tok: list[int] = field(default_factory=list)
+    par: list[int] = field(default_factory=list)  # pool index of the parent, -1 = root
+    score: list[float] = field(default_factory=list)  # cumulative draft log-probability of the path
+    dep: list[int] = field(default_factory=list)  # 0 = child of the root
+
+    def add(self, tok: int, par: int, score: float, dep: int) -> int:
+        self.tok.append(tok), self.par.append(par), self.score.append(score), self.dep.append(dep)
+        return len(self.tok) - 1
+
+    def tree(self, total: int) -> DraftTree:
+        """EAGLE-2's rerank: keep the ``total`` best nodes (select_nodes), topologically ordered by depth."""
+        keep = sorted(select_nodes(self.score, self.par, total), key=lambda j: (self.dep[j], j))
+        new = {j: i for i, j in enumerate(keep)}
+        parents = torch.tensor([new[self.par[j]] if self.par[j] >= 0 else -1 for j in keep], dtype=torch.long)
+        return DraftTree(torch.tensor([self.tok[j] for j in keep], dtype=torch.long), parents,
+                         confidence=torch.tensor([self.score[j] for j in keep]).exp())
+
+
+def grow_dynamic(lp_root: torch.Tensor, expand, depth: int, top_k: int, to_tokens=None, keep_going=None) -> Pool:
+    """EAGLE-2's expansion phase.
+
+    lp_root [V]: draft log-probabilities of the root's children. ``expand(pool, frontier)`` runs the
+    draft on the frontier nodes and returns their children's log-probabilities [F, V].
+    depth 1: the root's top_k children. Each further depth: every frontier node gets its top_k
+    children (all join the pool); the top_k of those by cumulative score form the next frontier.
+    ``to_tokens`` maps head-vocabulary indices to token ids (reduced vocabularies).
+    ``keep_going(pool, frontier)``, if given, is asked before each expansion; False stops growing early.
+    """
+    to_tokens = to_tokens or (lambda idx: idx.tolist())
+    pool = Pool()
+    v, i = lp_root.topk(top_k)
+    frontier = [pool.add(t, -1, float(s), 0) for t, s in zip(to_tokens(i), v.tolist())]
+    for d in range(1, depth):
+        if keep_going is not None and not keep_going(pool, frontier):
+            break
+        lp = expand(pool, frontier)  # [F, V]
+        cv, ci = lp.topk(top_k, dim=-1)  # [F, k]
+        cum = (cv + torch.tensor([pool.score[j] for j in frontier], device=cv.device)[:, None]).tolist()
+        toks = to_tokens(ci.reshape(-1))
+        children = [pool.add(toks[r * top_k + c], j, cum[r][c], d) for r, j in enumerate(frontier) for c in range(top_k)]
+        frontier = sorted(heapq.nlargest(top_k, children, key=lambda j: (pool.score[j], -j)))
+    return pool
+
+
+def confidence_calibration(card: dict, temperature: float = 0.0) -> float:
+    """How many accepted tokens one unit of draft confidence is worth, from the head's held-out card: the
+    acceptance of the top-1 guess (greedy: ``top1``; sampling: ``soft_r0`` = E[p_target(guess)]) over the
+    draft's mean top-1 confidence ``conf_r0``. 1.0 (the paper's confidence = acceptance) for cards without it."""
+    ev = card.get("heldout", {})
+    key = "soft_r0" if temperature > 0 and "soft_r0" in ev else "top1"
+    if not ev.get("conf_r0") or key not in ev:
+        return 1.0
+    return float(ev[key] / ev["conf_r0"])
