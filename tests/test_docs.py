@@ -1,0 +1,46 @@
+"""The README and the results page: generated from what was measured, and the example runs."""
+import re
+
+import pytest
+
+from specbook import report
+
+
+def test_results_page_is_regenerated_byte_for_byte():
+    """docs/RESULTS.md and the README's results table are exactly what `python -m specbook.report results` writes
+    from the committed bench JSONs (no hand-typed numbers)."""
+    assert report.RESULTS.read_text() == report.results_page()
+    readme = report.README.read_text()
+    assert report.with_readme_block(readme, report.readme_block()) == readme
+
+
+def test_readme_block_needs_its_markers():
+    with pytest.raises(ValueError, match="results markers"):
+        report.with_readme_block("# no markers here\n", report.readme_block())
+
+
+def test_every_bench_command_the_readme_shows_names_a_real_method_and_json():
+    from specbook.bench import METHODS
+
+    readme = report.README.read_text().replace("\\\n", " ")
+    cmds = re.findall(r"python -m specbook\.bench ([^\n`]+)", readme)
+    assert cmds
+    for c in cmds:
+        methods = re.search(r"--methods (\S+)", c)
+        if methods:
+            assert set(methods.group(1).split(",")) <= set(METHODS), c
+        out = re.search(r"--json (\S+)", c)
+        if out and out.group(1).startswith("docs/"):
+            assert (report.ROOT / out.group(1)).exists(), c
+
+
+@pytest.mark.slow
+def test_readme_python_example_runs(capsys):
+    """The README's "Use it from Python" example, executed as written."""
+    readme = report.README.read_text()
+    section = readme[readme.index("## Use it from Python"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    tau = float(re.search(r"tau = ([0-9.]+)", out).group(1))
+    assert tau > 1.0, out
