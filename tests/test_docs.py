@@ -44,3 +44,19 @@ def test_readme_python_example_runs(capsys):
     out = capsys.readouterr().out
     tau = float(re.search(r"tau = ([0-9.]+)", out).group(1))
     assert tau > 1.0, out
+
+
+HISTORY = re.compile(r"\b(stops? \d+|issue|the brief|earlier stop|first run on|[0-9a-f]{7,40})\b", re.I)
+
+
+def test_notebook_markdown_has_no_project_history():
+    """Prose stays true on every rerun: no commit hashes, "stop N", "issue" or other project history in the
+    notebooks' markdown (git keeps history)."""
+    import json
+
+    bad = []
+    for nb in sorted((report.ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+            if cell["cell_type"] == "markdown":
+                bad += [f"{nb.name} cell {i}: {m.group(0)!r}" for m in HISTORY.finditer("".join(cell["source"]))]
+    assert not bad, bad
