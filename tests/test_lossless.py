@@ -9,7 +9,6 @@ fully accepted draft, and a second step after the drafter rolled its state back.
 import pytest
 import torch
 
-from specbook import decoding
 from specbook import verify as V
 from specbook.decoding import Drafter, SpecState
 from specbook.drafters.draft_model import DraftModelDrafter
@@ -146,4 +145,3 @@ def test_exact_joint_marginal_matches_first_two(table):
     cfg = CONFIGS["T1"]
     j3 = exact_joint(table, cfg, 3).reshape(VOCAB, VOCAB, VOCAB)
     torch.testing.assert_close(j3.sum(-1), exact_first_two(table, cfg))
-    assert decoding.eos_set(-1, None) == frozenset()

@@ -163,13 +163,14 @@ def _free(tiny, prompt, n):
 
 def test_list_valued_eos_ends_every_loop_at_the_first_eos_of_the_list(tiny):
     """Llama-3 / Qwen configs carry a list of EOS ids: every loop stops at the first token in that list."""
-    from specbook.decoding import speculative_generate_batch
+    from specbook.decoding import eos_set, speculative_generate_batch
 
     p = [0, 5, 9, 11]
     free = _free(tiny, p, 30)
     a, b = free[9], free[4]  # the list's second id appears first in the text
     eos = [a, b]
     want = free[: min(free.index(a), free.index(b)) + 1]
+    assert eos_set(-1, None) == frozenset()  # -1 = no EOS: the loop runs to max_new_tokens
     ids, mask = pad_left([p], 1)
     assert generate(tiny, ids, mask, max_new_tokens=30, eos_token_id=eos).tokens[0] == want
     for make in (lambda: DraftModelDrafter(tiny, 3), lambda: PromptLookupDrafter(3)):

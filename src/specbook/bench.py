@@ -107,11 +107,11 @@ class EagleSettings:
     draft_cost: float | None = None
 
     def __post_init__(self):
-        check_size("eagle nodes", self.nodes)
-        check_size("eagle2_total", self.eagle2_total, minimum=self.depth)
         for name in ("depth", "top_k"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"eagle {name} must be an int >= 1, got {getattr(self, name)!r}")
+        check_size("eagle nodes", self.nodes)
+        check_size("eagle2_total", self.eagle2_total, minimum=self.depth)
 
 
 @dataclass(frozen=True)

@@ -348,8 +348,8 @@ def _target_block(target, cache, root: int, draft, past: int, hidden: bool):
                   output_hidden_states=hidden)
 
 
-def _start(target, drafter: Drafter, input_ids: torch.Tensor, cache, sampling: SamplingConfig, generator,
-           stats: SpecStats, attention_mask: torch.Tensor | None = None) -> tuple[list[int], object]:
+def _start(target, input_ids: torch.Tensor, cache, sampling: SamplingConfig, generator, stats: SpecStats,
+           attention_mask: torch.Tensor | None = None, hidden: bool = False) -> tuple[list[int], object]:
     """Step 0, the prefill: the first token of every row comes from its prompt's last position, as in plain
     decoding. Returns (first tokens, the forward's output)."""
     dev = input_ids.device
@@ -357,7 +357,7 @@ def _start(target, drafter: Drafter, input_ids: torch.Tensor, cache, sampling: S
     t0 = time.perf_counter()
     if attention_mask is None:
         out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                     output_hidden_states=drafter.needs_hidden)
+                     output_hidden_states=hidden)
     else:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # left padding: real tokens start at 0
         out = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -403,7 +403,7 @@ def speculative_generate(
     stats = SpecStats(rows=1)
     cache = new_cache(target)
     ctx = context_length(target)
-    first, out = _start(target, drafter, input_ids, cache, sampling, generator, stats)
+    first, out = _start(target, input_ids, cache, sampling, generator, stats, hidden=drafter.needs_hidden)
     state = SpecState(tokens=input_ids[0].tolist() + first, prompt_len=input_ids.shape[1], sampling=sampling,
                       generator=generator, target=target,
                       target_hidden=out.hidden_states[-1][0] if drafter.needs_hidden else None)
@@ -504,7 +504,7 @@ def speculative_generate_batch(
     ctx = context_length(target)
     stats = SpecStats(rows=B)
     cache = new_cache(target)
-    first, _ = _start(target, drafters[0], input_ids, cache, sampling, generator, stats, attention_mask)
+    first, _ = _start(target, input_ids, cache, sampling, generator, stats, attention_mask)
     mask = attention_mask.clone()
     valid = attention_mask.sum(-1).tolist()  # real tokens of each row in the cache
     states, new = [], []

@@ -28,6 +28,7 @@ Typical acceptance (Medusa) is *lossy* and lives in ``typical_accept`` with that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal, get_args
 
 import torch
@@ -87,14 +88,14 @@ class DraftTree:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    @property
+    @cached_property
     def is_chain(self) -> bool:
         n = len(self)
         return bool(torch.equal(self.parents.cpu(), torch.arange(-1, n - 1)))
 
-    @property
+    @cached_property
     def depths(self) -> torch.Tensor:
-        """[N] depth of every node (children of the root: 0)."""
+        """[N] depth of every node (children of the root: 0); computed once per draft."""
         return depths(self.parents.cpu())
 
     def truncate_depth(self, max_depth: int) -> "DraftTree":

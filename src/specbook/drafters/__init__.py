@@ -3,6 +3,14 @@
 import torch
 
 
+def with_vocab(state: dict, vocab: torch.Tensor | None) -> dict:
+    """A checkpoint's tensors plus the head vocabulary it proposes from (stored as int64 "vocab"), if reduced."""
+    st = dict(state)
+    if vocab is not None:
+        st["vocab"] = vocab.to(torch.int64)
+    return st
+
+
 def head_rows(W: torch.Tensor, vocab) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An LM head [V, H] restricted to a reduced draft vocabulary: (rows [Vd, H], vocab [Vd] long on W's device).
 

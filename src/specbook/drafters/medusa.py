@@ -34,7 +34,7 @@ from torch import nn
 from ..decoding import Drafter, SpecState
 from ..tree import tree_from_choices
 from ..verify import DraftTree
-from . import head_rows
+from . import head_rows, with_vocab
 
 # --------------------------------------------------------------------------- heads
 
@@ -193,10 +193,7 @@ class MedusaObjective:
                 "vocab_size": None if self.vocab is None else int(len(self.vocab))}
 
     def state(self) -> dict:
-        st = dict(self.heads.state_dict())
-        if self.vocab is not None:
-            st["vocab"] = self.vocab.to(torch.int64)
-        return st
+        return with_vocab(self.heads.state_dict(), self.vocab)
 
 
 def rank_accuracy(card: dict) -> list[list[float]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import head_rows
+from .. import head_rows, with_vocab
 from .head import EagleHead
 
 
@@ -122,10 +122,7 @@ class EagleObjective:
                 "vocab_size": None if self.vocab is None else int(len(self.vocab))}
 
     def state(self) -> dict:
-        st = dict(self.head.trainable_state())
-        if self.vocab is not None:
-            st["vocab"] = self.vocab.to(torch.int64)
-        return st
+        return with_vocab(self.head.trainable_state(), self.vocab)
 
 
 @torch.inference_mode()
