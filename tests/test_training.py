@@ -181,7 +181,10 @@ class ToyTok:
     eos_token_id = 1
 
     def apply_chat_template(self, msgs, **kw):
-        return [0] + [2 + (ord(c) % 46) for c in msgs[0]["content"]]
+        return [i for m in msgs for i in [0] + [2 + (ord(c) % 46) for c in m["content"]]]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + i % 26) for i in ids if not (skip_special_tokens and i < 2))
 
     def __len__(self):
         return 48
@@ -243,3 +246,76 @@ def test_empty_prompt_file_is_a_clear_error(tmp_path, tiny_target):
     s = CorpusSettings(target="tiny", prompts=str(tmp_path / "empty.jsonl"), batch=2, dtype="fp32")
     with pytest.raises(ValueError, match="no prompts"):
         generate_corpus(s, tmp_path / "out", progress=False, model=tiny_target, tokenizer=ToyTok())
+
+
+def test_follow_up_turns_are_asked_after_the_targets_own_answer(tmp_path, tiny_target):
+    from specbook.corpus import CorpusSettings, generate_corpus
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": f"q{i}", "category": "toy",
+                                           "turns": ["ab" * (1 + i)] + (["cd"] if i % 2 else [])}) + "\n" for i in range(5)))
+    s = CorpusSettings(target="tiny", prompts=str(prompts), max_new_tokens=4, batch=2, dtype="fp32", max_prompt_tokens=64)
+    generate_corpus(s, tmp_path / "c", progress=False, model=tiny_target, tokenizer=ToyTok())
+    c, tok = load_corpus(tmp_path / "c"), ToyTok()
+    first = {r["question_id"]: i for i, r in enumerate(c.records) if r["turn"] == 0}
+    second = [i for i, r in enumerate(c.records) if r["turn"] == 1]
+    assert sorted(c.records[i]["question_id"] for i in second) == ["q1", "q3"]
+    for i in second:
+        j = first[c.records[i]["question_id"]]
+        q0 = c.sequence(j)[:c.prompt_len(j)].tolist()
+        a0 = c.sequence(j)[c.prompt_len(j):].tolist()
+        msgs = [{"content": "ab" * (1 + int(c.records[i]["question_id"][1:]))},
+                {"content": tok.decode(a0, skip_special_tokens=True).strip()}, {"content": "cd"}]
+        assert c.sequence(i)[:c.prompt_len(i)].tolist() == tok.apply_chat_template(msgs)
+        assert c.sequence(i)[:len(q0)].tolist() == q0
+
+
+def test_more_prompts_generate_only_the_new_ones(tmp_path, tiny_target, monkeypatch):
+    from specbook import corpus as C
+    import specbook.decoding as D
+
+    prompts = tmp_path / "p.jsonl"
+    rows = [json.dumps({"question_id": f"q{i}", "category": "toy", "turns": ["z" * (2 + i % 4) + str(i)]}) + "\n"
+            for i in range(9)]
+    prompts.write_text("".join(rows[:6]))
+    s = C.CorpusSettings(target="tiny", prompts=str(prompts), max_new_tokens=5, batch=4, dtype="fp32", max_prompt_tokens=64)
+    kw = dict(progress=False, model=tiny_target, tokenizer=ToyTok())
+    C.generate_corpus(s, tmp_path / "c", **kw)
+    one = load_corpus(tmp_path / "c")
+    old = {r["question_id"]: one.sequence(i).tolist() for i, r in enumerate(one.records)}  # before the files change
+    prompts.write_text("".join(rows))
+    rows_seen = []
+    orig = D.generate
+    monkeypatch.setattr(D, "generate", lambda m, ids, *a, **k: rows_seen.append(ids.shape[0]) or orig(m, ids, *a, **k))
+    C.generate_corpus(C.CorpusSettings(**{**s.__dict__, "batch": 2}), tmp_path / "c", **kw)
+    two = load_corpus(tmp_path / "c")
+    assert sum(rows_seen) == 3  # only q6..q8 were generated
+    for i, r in enumerate(two.records):
+        if r["question_id"] in old:
+            assert two.sequence(i).tolist() == old[r["question_id"]]
+    assert len(two) == 9
+
+
+def test_batches_respect_the_token_budget():
+    from specbook.corpus import plan_batches
+
+    lengths = [10, 3000, 50, 2500, 12, 900, 40]
+    batches = plan_batches(lengths, batch=4, batch_tokens=5000)
+    assert sorted(i for b in batches for i in b) == list(range(7))
+    for b in batches:
+        assert len(b) <= 4 and (len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 5000)
+
+
+def test_broad_prompts_split_by_source():
+    from specbook.broad_prompts import build_broad, plant_bug, split_by_group
+
+    recs = build_broad()
+    tr, ev = split_by_group(recs, torch.Generator().manual_seed(0))
+    assert len(tr) + len(ev) == len(recs)
+    assert not {r["group"] for r in tr} & {r["group"] for r in ev}  # no evaluated document or function is trained on
+    cats = {r["category"] for r in recs}
+    assert {"code_complete", "code_fix", "math_word", "long_input", "multi_turn", "rewriting"} <= cats
+    assert cats == {r["category"] for r in ev}
+    assert all(len(r["turns"]) == 2 for r in recs if r["category"] == "multi_turn")
+    src = "def f(a, b):\n    return a == b"
+    assert plant_bug(src, torch.Generator().manual_seed(0)) == "def f(a, b):\n    return a != b"

@@ -6,16 +6,19 @@
 
 Drafters learn the *target's* distribution, so the training text is the target's own output
 (Medusa's self-distillation). Generation runs through our batched AR loop (``decoding.generate``,
-left padding + KV cache), sorted by prompt length to waste little padding.
+left padding + KV cache), sorted by prompt length to waste little padding. A prompt with several
+turns is a real conversation: turn k is asked after the target's own answers to turns < k.
 
 Storage (committed, a few MB):
     data/corpus/tokens.npy    uint16/uint32 [T]   prompt ids followed by response ids, record after record
     data/corpus/index.npy     int64 [N, 3]        (offset, prompt_len, response_len) per record
-    data/corpus/records.jsonl                     question_id, category, pass per record (same order)
+    data/corpus/records.jsonl                     question_id, category, pass, turn per record (same order)
     data/corpus/manifest.json                     target fingerprint, settings, counts, sha256 of each file
 
 Resumable: each finished batch is written atomically as a shard under data/corpus/.work/<key>/;
-a rerun skips the shards that exist (no duplicates, no gaps) and ``finalize`` packs them.
+a rerun skips the shards that exist (no duplicates, no gaps) and ``finalize`` packs them. Records
+the committed corpus already holds (same target, output settings and prompt ids) are reused, so
+more prompts or more passes generate only what is new.
 A prompt that does not fit the context with max_new_tokens is skipped and counted, never truncated.
 """
 
@@ -44,8 +47,9 @@ class CorpusSettings:
     target: str = "smollm2-135m-instruct"
     prompts: str = "train"
     max_new_tokens: int = 320
-    max_prompt_tokens: int = 1024
+    max_prompt_tokens: int = 3072  # long-document prompts reach ~2.7k tokens
     batch: int = 96
+    batch_tokens: int = 16384  # padded prompt tokens per batch: long documents run a few at a time
     dtype: str = "bf16"
     temperature: float = 0.0  # pass 0 is greedy (what T=0 benchmarks see); later passes sample
     later_pass_temperature: float = 0.8
@@ -73,34 +77,88 @@ def _atomic_save_npz(path: Path, **arrays) -> None:
     os.replace(tmp, path)
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template of ``messages`` with the generation prompt, as a list of ids."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def tokenize_prompts(tokenizer, recs: list[dict], max_prompt_tokens: int) -> tuple[list[tuple[dict, list[int]]], int]:
     """Chat-template the first turn of each record. Returns (kept, n_skipped_too_long)."""
     kept, skipped = [], 0
     for r in recs:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
+        ids = chat_ids(tokenizer, [{"role": "user", "content": r["turns"][0]}])
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue
-        kept.append((r, list(ids)))
+        kept.append((r, ids))
     return kept, skipped
+
+
+def follow_up_ids(tokenizer, rec: dict, turn: int, answers: list[list[int]]) -> list[int]:
+    """Turn ``turn`` of a conversation: the user's earlier turns with the target's own answers to them."""
+    msgs = []
+    for k in range(turn):
+        msgs.append({"role": "user", "content": rec["turns"][k]})
+        msgs.append({"role": "assistant", "content": tokenizer.decode(answers[k], skip_special_tokens=True).strip()})
+    msgs.append({"role": "user", "content": rec["turns"][turn]})
+    return chat_ids(tokenizer, msgs)
+
+
+def plan_batches(lengths: list[int], batch: int, batch_tokens: int) -> list[list[int]]:
+    """Indices sorted by length, cut into batches of at most ``batch`` rows and ``batch_tokens`` padded prompt
+    tokens (long documents go a few at a time; short prompts ``batch`` at a time)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    out, cur = [], []
+    for i in order:
+        if cur and (len(cur) == batch or lengths[i] * (len(cur) + 1) > batch_tokens):
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + ([cur] if cur else [])
+
+
+# fields that decide what the target answers; a record made under the same ones is reused as it is
+OUTPUT_FIELDS = ("max_new_tokens", "dtype", "temperature", "later_pass_temperature", "seed")
+
+
+def reusable_records(out_dir: Path, settings: "CorpusSettings", fp: str, limit: int | None) -> tuple[dict, str]:
+    """Records of the corpus already finalized in ``out_dir`` that this run would reproduce: same target
+    fingerprint and output settings. Keyed by (question_id, pass, turn) -> (prompt ids, response ids); a record
+    is reused only where its prompt ids equal this run's (checked by the caller). Returns (records, corpus sha):
+    a clean clone holds the committed corpus but no ``.work``, so more passes or more prompts generate only
+    what is new."""
+    if limit or not (Path(out_dir) / "manifest.json").exists():
+        return {}, "none"
+    try:
+        old = load_corpus(Path(out_dir))
+        same = all(old.manifest["settings"].get(f) == getattr(settings, f) for f in OUTPUT_FIELDS)
+    except (CorpusError, KeyError):
+        return {}, "none"  # unreadable or of another kind: generate everything
+    if not same or old.manifest["target_fingerprint"] != fp:
+        return {}, "none"
+    out = {}
+    for i, r in enumerate(old.records):
+        seq, pl = old.sequence(i).tolist(), old.prompt_len(i)
+        out[(r["question_id"], r.get("pass", 0), r.get("turn", 0))] = (seq[:pl], seq[pl:])
+    return out, old.sha
 
 
 def generate_corpus(settings: CorpusSettings, out_dir: Path = CORPUS_DIR, limit: int | None = None,
                     progress: bool = True, model=None, tokenizer=None, stop_after: int | None = None) -> dict | None:
     """Generate (or resume) and finalize the corpus. Returns the manifest.
 
-    ``model``/``tokenizer`` override loading ``settings.target`` (tests use a tiny model);
-    ``stop_after`` ends the run after that many new batches without finalizing (simulates an
-    interruption; returns None).
+    Turn by turn (a follow-up turn needs the target's answer to the previous one), pass by pass: the records
+    a finalized corpus in ``out_dir`` already holds are reused, the rest is generated in length-sorted batches,
+    each saved as a shard under ``.work`` so an interrupted run resumes. ``model``/``tokenizer`` override
+    loading ``settings.target`` (tests use a tiny model); ``stop_after`` ends the run after that many new
+    batches without finalizing (simulates an interruption; returns None).
     """
     from tqdm.auto import tqdm
 
-    from .decoding import generate, pad_left
     from .models import fingerprint, load_model
-    from .sampling import SamplingConfig
 
     if model is None:
         model, tok = load_model(settings.target, dtype=settings.dtype)
@@ -108,45 +166,88 @@ def generate_corpus(settings: CorpusSettings, out_dir: Path = CORPUS_DIR, limit:
         tok = tokenizer
     fp = fingerprint(model)
     recs = load_prompts(settings.prompts, limit=limit)
-    ctx = int(model.config.max_position_embeddings)
-    max_prompt = min(settings.max_prompt_tokens, ctx - settings.max_new_tokens)
+    max_prompt = min(settings.max_prompt_tokens, int(model.config.max_position_embeddings) - settings.max_new_tokens)
     items, skipped = tokenize_prompts(tok, recs, max_prompt)
-    if skipped:
-        print(f"[corpus] skipped {skipped} prompts longer than {max_prompt} tokens (not truncated)", file=sys.stderr)
     if not items:
         raise ValueError("no prompt fits the context; nothing to generate")
-    order = sorted(range(len(items)), key=lambda i: len(items[i][1]))
-    batches = [order[i:i + settings.batch] for i in range(0, len(order), settings.batch)]
-    key = settings.key(fp) + (f"-limit{limit}" if limit else "")
-    work = out_dir / ".work" / key
+    reuse, old_sha = reusable_records(out_dir, settings, fp, limit)
+    work = out_dir / ".work" / (settings.key(fp) + (f"-limit{limit}" if limit else "") + f"-from-{old_sha}")
     work.mkdir(parents=True, exist_ok=True)
-    jobs = [(p, b) for p in range(settings.passes) for b in range(len(batches))]
-    restored = restore_shards(out_dir, key, items, batches, jobs, work, settings, fp, limit)
-    if restored:
-        print(f"[corpus] reused {restored} finished batches from the corpus in {out_dir}", file=sys.stderr)
-    todo = [(p, b) for p, b in jobs if not (work / f"p{p}_b{b:05d}.npz").exists()]
-    t_start = time.perf_counter()
-    made = done_now = 0
-    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="corpus", unit="batch", disable=not progress)
-    for p, b in todo:
-        idx = batches[b]
-        ids, mask = pad_left([items[i][1] for i in idx], tok.pad_token_id)
-        temp = settings.temperature if p == 0 else settings.later_pass_temperature
-        cfg = SamplingConfig(temperature=temp)
-        gen = None if cfg.greedy else torch.Generator().manual_seed(settings.seed * 1_000_003 + p * 10_007 + b)
-        res = generate(model, ids.to(model.device), mask.to(model.device), max_new_tokens=settings.max_new_tokens,
-                       sampling=cfg, generator=gen, eos_token_id=tok.eos_token_id)
-        made += res.stats.new_tokens
-        _save_shard(work / f"p{p}_b{b:05d}.npz", idx, res.tokens)
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t_start):.0f}")
-        done_now += 1
-        if stop_after is not None and done_now >= stop_after:
-            bar.close()
-            return None
-    bar.close()
-    gen_seconds = time.perf_counter() - t_start
-    return finalize(settings, items, jobs, work, out_dir, fp, skipped, gen_seconds, tok)
+    run = _Run(model, tok, settings, work, reuse, stop_after,
+               tqdm(desc="corpus", unit="batch", disable=not progress))
+    answers: dict[tuple[int, int, int], tuple[list[int], list[int]]] = {}  # (pass, turn, item) -> (prompt, resp)
+    for turn in range(max(len(r["turns"]) for r, _ in items)):
+        for p in range(settings.passes):
+            prompts = {}
+            for i, (r, ids) in enumerate(items):
+                if turn >= len(r["turns"]) or (turn and (p, turn - 1, i) not in answers):
+                    continue
+                ids = ids if turn == 0 else follow_up_ids(tok, r, turn, [answers[p, k, i][1] for k in range(turn)])
+                if len(ids) > max_prompt:
+                    skipped += 1
+                    continue
+                prompts[i] = ids
+            if not run.answer(p, turn, items, prompts, answers):
+                run.bar.close()
+                return None
+    run.bar.close()
+    if skipped:
+        print(f"[corpus] skipped {skipped} prompts longer than {max_prompt} tokens (not truncated)", file=sys.stderr)
+    if run.reused:
+        print(f"[corpus] reused {run.reused} records of the corpus in {out_dir}", file=sys.stderr)
+    return finalize(settings, items, answers, out_dir, fp, skipped, run.seconds, tok)
+
+
+class _Run:
+    """The batches of one generation run: reuse, resume from shards, or generate (and save a shard)."""
+
+    def __init__(self, model, tok, settings, work: Path, reuse: dict, stop_after, bar):
+        self.model, self.tok, self.s, self.work, self.reuse, self.bar = model, tok, settings, work, reuse, bar
+        self.stop_after, self.new_batches, self.reused, self.seconds, self.made = stop_after, 0, 0, 0.0, 0
+
+    def answer(self, p: int, turn: int, items, prompts: dict[int, list[int]], answers: dict) -> bool:
+        """Fill ``answers[p, turn, i]`` for every prompt; False when ``stop_after`` batches were generated."""
+        from .decoding import generate, pad_left
+        from .sampling import SamplingConfig
+
+        todo = []
+        for i, ids in prompts.items():
+            old = self.reuse.get((items[i][0]["question_id"], p, turn))
+            if old is not None and old[0] == ids:
+                answers[p, turn, i] = old
+                self.reused += 1
+            else:
+                todo.append(i)
+        batches = [[todo[j] for j in b] for b in plan_batches([len(prompts[i]) for i in todo], self.s.batch,
+                                                                  self.s.batch_tokens)]
+        self.bar.total = (self.bar.total or 0) + len(batches)
+        self.bar.refresh()
+        for b, idx in enumerate(batches):
+            path = self.work / f"t{turn}_p{p}_b{b:05d}.npz"
+            if path.exists() and np.load(path)["item"].tolist() != idx:
+                path.unlink()  # a shard of another plan (cannot happen unless .work was edited): regenerate it
+            if not path.exists():
+                if self.stop_after is not None and self.new_batches >= self.stop_after:
+                    return False
+                t0 = time.perf_counter()
+                ids, mask = pad_left([prompts[i] for i in idx], self.tok.pad_token_id)
+                cfg = SamplingConfig(temperature=self.s.temperature if p == 0 else self.s.later_pass_temperature)
+                gen = None if cfg.greedy else torch.Generator().manual_seed(
+                    self.s.seed * 1_000_003 + p * 10_007 + turn * 7_919 + b)
+                res = generate(self.model, ids.to(self.model.device), mask.to(self.model.device), sampling=cfg,
+                               max_new_tokens=self.s.max_new_tokens, generator=gen, eos_token_id=self.tok.eos_token_id)
+                _save_shard(path, idx, res.tokens)
+                self.new_batches += 1
+                self.seconds += time.perf_counter() - t0
+                self.made += res.stats.new_tokens
+                self.bar.set_postfix(tok_s=f"{self.made / max(self.seconds, 1e-9):.0f}")
+            z = np.load(path)
+            pos = 0
+            for i, n in zip(z["item"].tolist(), z["lens"].tolist()):
+                answers[p, turn, i] = (prompts[i], z["resp"][pos:pos + n].tolist())
+                pos += n
+            self.bar.update(1)
+        return True
 
 
 def _save_shard(path: Path, idx: list[int], resp: list) -> None:
@@ -155,49 +256,17 @@ def _save_shard(path: Path, idx: list[int], resp: list) -> None:
                      resp=np.concatenate(resp) if resp else np.zeros(0, np.int64))
 
 
-def restore_shards(out_dir: Path, key: str, items, batches, jobs, work: Path, settings, fp: str,
-                   limit: int | None) -> int:
-    """Rebuild missing shards from the corpus already finalized in ``out_dir`` when it was made with the same
-    key (target fingerprint + settings except ``passes``): a clean clone has the committed corpus but no
-    ``.work``, and ``--passes 2`` should then generate pass 1 only. A shard is restored only if every one of
-    its prompts has a record of that pass with the same prompt ids; anything else is generated."""
-    if limit or not (Path(out_dir) / "manifest.json").exists():
-        return 0
-    try:
-        old = load_corpus(Path(out_dir))
-        same = CorpusSettings(**{k: v for k, v in old.manifest["settings"].items()
-                                 if k in CorpusSettings.__dataclass_fields__}).key(old.manifest["target_fingerprint"])
-    except (CorpusError, TypeError, KeyError):
-        return 0  # unreadable or of another kind: generate everything
-    if same != key or old.manifest["target_fingerprint"] != fp:
-        return 0
-    where = {(r["question_id"], r.get("pass", 0)): i for i, r in enumerate(old.records)}
-    n = 0
-    for p, b in jobs:
-        path = work / f"p{p}_b{b:05d}.npz"
-        rows = [where.get((items[i][0]["question_id"], p)) for i in batches[b]]
-        if path.exists() or None in rows:
-            continue
-        seqs = [old.sequence(r).tolist() for r in rows]
-        pls = [old.prompt_len(r) for r in rows]
-        if any(seq[:pl] != items[i][1] for seq, pl, i in zip(seqs, pls, batches[b])):
-            continue
-        _save_shard(path, batches[b], [seq[pl:] for seq, pl in zip(seqs, pls)])
-        n += 1
-    return n
-
-
-def finalize(settings, items, jobs, work: Path, out_dir: Path, fp: str, skipped: int, gen_seconds: float, tok) -> dict:
-    """Pack the finished shards (in job order) into the committed corpus files."""
+def finalize(settings, items, answers: dict, out_dir: Path, fp: str, skipped: int, gen_seconds: float, tok) -> dict:
+    """Pack every answer into the committed corpus files: pass by pass, turn by turn, prompts by length."""
+    order = sorted(range(len(items)), key=lambda i: len(items[i][1]))
     recs = []
-    for p, b in jobs:
-        z = np.load(work / f"p{p}_b{b:05d}.npz")
-        pos = 0
-        for i, n in zip(z["item"].tolist(), z["lens"].tolist()):
-            r, pids = items[i]
-            recs.append((pids, z["resp"][pos:pos + n].tolist(),
-                         {"question_id": r["question_id"], "category": r.get("category", ""), "pass": p}))
-            pos += n
+    for p, turn in sorted({(p, t) for p, t, _ in answers}):
+        for i in order:
+            if (p, turn, i) in answers:
+                r = items[i][0]
+                pids, resp = answers[p, turn, i]
+                recs.append((pids, resp, {"question_id": r["question_id"], "category": r.get("category", ""),
+                                          "pass": p, "turn": turn}))
     cmd = "python -m specbook.corpus generate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["generate"] else ""
     return write_corpus(out_dir, recs, vocab_size=len(tok), target=settings.target, fingerprint=fp,
                         settings=asdict(settings), extra={"skipped_too_long": skipped,
@@ -322,7 +391,7 @@ def main(argv=None):
     d = CorpusSettings()
     for f in ("target", "prompts", "dtype"):
         g.add_argument(f"--{f}", default=getattr(d, f))
-    for f in ("max_new_tokens", "max_prompt_tokens", "batch", "passes", "seed"):
+    for f in ("max_new_tokens", "max_prompt_tokens", "batch", "batch_tokens", "passes", "seed"):
         g.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(d, f))
     g.add_argument("--temperature", type=float, default=d.temperature)
     g.add_argument("--limit", type=int, default=None, help="only the first N prompts (smoke runs)")
@@ -331,7 +400,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.cmd == "generate":
         s = CorpusSettings(target=a.target, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
-                           max_prompt_tokens=a.max_prompt_tokens, batch=a.batch, dtype=a.dtype,
+                           max_prompt_tokens=a.max_prompt_tokens, batch=a.batch, batch_tokens=a.batch_tokens, dtype=a.dtype,
                            temperature=a.temperature, passes=a.passes, seed=a.seed)
         m = generate_corpus(s, Path(a.out), limit=a.limit)
     else:

@@ -136,8 +136,10 @@ def _passage(g: torch.Generator) -> tuple[str, dict]:
     return text, {"y": ev_year}
 
 
-def build(seed: int = 0, eval_fraction: float = 0.1) -> tuple[list[dict], list[dict]]:
-    """All prompts, deterministically, split into (train, eval)."""
+def build(seed: int = 0, eval_fraction: float = 0.1, broad: bool = True) -> tuple[list[dict], list[dict]]:
+    """All prompts, deterministically, split into (train, eval): the template set, then (``broad``) the prompts
+    of ``broad_prompts`` (real code, math word problems, long documents, rewriting, follow-up turns), split by
+    source so that no evaluated document or function is trained on."""
     g = torch.Generator().manual_seed(seed)
     recs: list[dict] = []
 
@@ -181,6 +183,13 @@ def build(seed: int = 0, eval_fraction: float = 0.1) -> tuple[list[dict], list[d
         r["question_id"] = f"sb-{i:05d}"
     n_eval = int(round(len(uniq) * eval_fraction))
     ev, tr = uniq[:n_eval], uniq[n_eval:]
+    if broad:
+        from .broad_prompts import build_broad, split_by_group
+
+        tr_b, ev_b = split_by_group(build_broad(), g, eval_fraction)
+        for i, r in enumerate(ev_b + tr_b):
+            r["question_id"] = f"bp-{i:05d}"
+        tr, ev = tr + tr_b, ev + ev_b
     return tr, ev
 
 
@@ -214,7 +223,9 @@ def _write(recs: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for r in recs:
-            f.write(json.dumps({"question_id": r["question_id"], "category": r["category"], "turns": r["turns"]}) + "\n")
+            extra = {k: r[k] for k in ("group", "source") if k in r}
+            f.write(json.dumps({"question_id": r["question_id"], "category": r["category"], "turns": r["turns"], **extra})
+                    + "\n")
 
 
 def main(argv=None):
