@@ -271,8 +271,8 @@ def test_follow_up_turns_are_asked_after_the_targets_own_answer(tmp_path, tiny_t
 
 
 def test_more_prompts_generate_only_the_new_ones(tmp_path, tiny_target, monkeypatch):
-    from specbook import corpus as C
     import specbook.decoding as D
+    from specbook import corpus as C
 
     prompts = tmp_path / "p.jsonl"
     rows = [json.dumps({"question_id": f"q{i}", "category": "toy", "turns": ["z" * (2 + i % 4) + str(i)]}) + "\n"
