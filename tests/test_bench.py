@@ -26,8 +26,28 @@ def test_prompt_set_shape():
     tr, ev = load_prompts("train"), load_prompts("eval")
     assert len(tr) + len(ev) > 3000
     cats = {r["category"] for r in tr}
-    assert cats == {"multi_turn", "writing", "translation", "summarization", "qa", "math_reasoning", "coding", "rag"}
+    assert cats == {"multi_turn", "writing", "translation", "summarization", "qa", "math_reasoning", "coding", "rag",
+                    "code_explain", "code_tests", "code_port", "code_edit", "code_fix", "code_complete", "code_write",
+                    "math_word", "long_input", "rewriting"}
+    assert cats == {r["category"] for r in ev}  # the eval split has every category
     assert not {tuple(r["turns"]) for r in tr} & {tuple(r["turns"]) for r in ev}, "eval must never be trained on"
+    assert not {r["group"] for r in tr if "group" in r} & {r["group"] for r in ev if "group" in r}  # nor its sources
+
+
+def test_per_category_takes_the_first_n_of_each():
+    ps = [{"category": c, "turns": [str(i)]} for i, c in enumerate("aabacbbc")]
+    assert [p["turns"][0] for p in bench.per_category(ps, 2)] == ["0", "1", "2", "4", "5", "7"]
+
+
+def test_mtp_auto_depth_by_hand():
+    from specbook.drafters.mtp import auto_depth, chain_survival
+
+    card = {"config": {"modules": 3}, "heldout": {"acc_1": 0.8, "acc_2": 0.5, "acc_3": 0.5}}
+    assert chain_survival(card) == pytest.approx([0.8, 0.4, 0.2])
+    flat = {1: 1.0, 4: 1.0}  # verification free up to 4 tokens: (1 + .8 + .4 + .2) / (1 + 3c)
+    assert auto_depth(card, flat, module_cost=0.0) == 3
+    assert auto_depth(card, flat, module_cost=0.2) == 2  # 2.2 / 1.4 = 1.571 beats 2.4 / 1.6 = 1.5 and 1.8 / 1.2
+    assert auto_depth(card, {1: 1.0, 2: 2.0}, module_cost=0.0) == 1  # every extra token costs a full forward
 
 
 def test_step_split_by_hand():

@@ -15,6 +15,7 @@ from specbook.drafters.draft_model import DraftModelDrafter
 from specbook.drafters.eagle import Eagle2Drafter, EagleDrafter, EagleHead
 from specbook.drafters.lookup import PromptLookupDrafter
 from specbook.drafters.medusa import MedusaDrafter, MedusaHeads
+from specbook.drafters.mtp import MTPDrafter, MTPModules
 from specbook.exactness import check_lossless, logit_table
 from specbook.models import tiny_llama
 from specbook.sampling import SamplingConfig, probs_from, sample
@@ -77,6 +78,16 @@ def _eagle_head(target):
     return EagleHead(target.config).eval()
 
 
+def _mtp_modules(target, depth=2):
+    torch.manual_seed(0)
+    mods = MTPModules(target.config, depth)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # weights large enough that each module's q differs from the others' and from uniform
+        for p in mods.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return mods.eval()
+
+
 DRAFTERS = {
     "sps_chain": lambda t: DraftModelDrafter(tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=5), gamma=2),
     "sps_gamma1": lambda t: DraftModelDrafter(tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=4), gamma=1),
@@ -88,10 +99,11 @@ DRAFTERS = {
     "medusa": lambda t: MedusaDrafter(t, _medusa_heads(t), [(0,), (1,), (0, 0), (1, 0)]),
     "eagle_static": lambda t: EagleDrafter(t, _eagle_head(t), choices=[(0,), (1,), (0, 0), (1, 0)]),
     "eagle_dynamic": lambda t: Eagle2Drafter(t, _eagle_head(t), depth=2, top_k=2, total_tokens=4),
+    "mtp": lambda t: MTPDrafter(t, _mtp_modules(t)),
 }
 
 
-CORE = ["sps_chain", "iid_tree", "onehot_tree", "medusa", "eagle_static", "eagle_dynamic"]
+CORE = ["sps_chain", "iid_tree", "onehot_tree", "medusa", "eagle_static", "eagle_dynamic", "mtp"]
 CASES = [(kind, cfg) for kind in CORE for cfg in CONFIGS] + \
     [(kind, "T1") for kind in DRAFTERS if kind not in CORE]  # variants of a core path: T = 1 only
 
@@ -116,6 +128,8 @@ BROKEN = {
                      lambda mp: mp.setattr(V, "residual_one_hot", lambda p, x: p)),
     "eagle_dynamic": ("rejected one-hot pick not removed from p",
                       lambda mp: mp.setattr(V, "residual_one_hot", lambda p, x: p)),
+    "mtp": ("correction sampled from p instead of the residual norm(max(0, p - q))",
+            lambda mp: mp.setattr(V, "residual", lambda p, q: p)),
 }
 
 

@@ -115,6 +115,17 @@ class EagleSettings:
 
 
 @dataclass(frozen=True)
+class MtpSettings:
+    """mtp: chain depth D (<= the modules trained) or "auto" = the depth the latency curve, the modules' measured
+    cost and the card's held-out accuracies pay for (drafters.mtp.auto_depth)."""
+
+    depth: Size = "auto"
+
+    def __post_init__(self):
+        check_size("mtp depth", self.depth)
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every method's configuration for one bench run (recorded in the JSON)."""
 
@@ -122,6 +133,7 @@ class Settings:
     lookup: LookupSettings = field(default_factory=LookupSettings)
     medusa: MedusaSettings = field(default_factory=MedusaSettings)
     eagle: EagleSettings = field(default_factory=EagleSettings)
+    mtp: MtpSettings = field(default_factory=MtpSettings)
 
 
 @dataclass
@@ -134,6 +146,7 @@ class Loaded:
     latency: dict | None = None  # {k tokens: seconds}
     medusa: tuple | None = None  # (heads, vocab, card)
     eagle: tuple | None = None  # (head, vocab, card, measured draft cost in seconds)
+    mtp: tuple | None = None  # (modules, vocab, card, measured cost of one module forward in seconds)
 
 
 @dataclass
@@ -377,7 +390,7 @@ def preload(model, tokenizer, methods: tuple[str, ...] = ("eagle",)) -> Loaded:
     cost): pass it to several run_bench calls (notebook 03's search) so they share one load and one measurement."""
     ctx = BenchContext(model=model, tokenizer=tokenizer, sampling=SamplingConfig(), max_new_tokens=1)
     for m in methods:
-        {"eagle": eagle_for, "eagle2": eagle_for, "medusa": medusa_for, "sps": draft_model_for}[m](ctx)
+        {"eagle": eagle_for, "eagle2": eagle_for, "medusa": medusa_for, "sps": draft_model_for, "mtp": mtp_for}[m](ctx)
     return ctx.loaded
 
 
@@ -481,6 +494,36 @@ def _interleaved(ctx: BenchContext, methods: list[str], prompts: list[dict], enc
     return tot, cat, mem
 
 
+# ---------------------------------------------------------------- MTP
+
+
+def mtp_for(ctx: BenchContext):
+    """The committed MTP modules, their vocabulary and card, one module forward's measured cost, and this run's
+    chain depth (MtpSettings.depth, or auto_depth from the latency curve)."""
+    from .drafters.mtp import auto_depth, load_mtp, measure_module_cost
+
+    if ctx.loaded.mtp is None:
+        from .train import CKPT_DIR
+
+        mods, vocab, card = load_mtp(ctx.model, CKPT_DIR / "mtp")
+        ctx.loaded.mtp = (mods, vocab, card, measure_module_cost(ctx.model, mods, vocab))
+    mods, vocab, card, cost = ctx.loaded.mtp
+    if "mtp" not in ctx.trees:
+        d = ctx.settings.mtp.depth
+        if d != "auto" and d > mods.depth:
+            raise ValueError(f"mtp depth {d} is above the {mods.depth} modules of data/checkpoints/mtp")
+        ctx.trees["mtp"] = auto_depth(card, latency_for(ctx), cost) if d == "auto" else d
+    return mods, vocab, card, cost, ctx.trees["mtp"]
+
+
+@method("mtp", "DeepSeek-V3 MTP modules (data/checkpoints/mtp), a chain of mtp depth tokens, lossless")
+def _mtp(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.mtp import MTPDrafter
+
+    mods, vocab, _, _, depth = mtp_for(ctx)
+    return _spec(ctx, ids, MTPDrafter(ctx.model, mods, vocab, depth=depth), gen)
+
+
 def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
     """What a run used, beyond its arguments: method settings and what the "auto" sizes measured."""
     out = {"gamma": ctx.settings.sps.gamma}
@@ -494,6 +537,9 @@ def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
                         "draft_cost_s": eagle_for(ctx)[3], "eagle2_calibration": eagle_calibration(ctx)}
         if "eagle" in ctx.trees:
             out["eagle"]["static_choices"] = [list(c) for c in ctx.trees["eagle"]]
+    if ctx.loaded.mtp is not None and "mtp" in methods:
+        out["mtp"] = {"depth": ctx.settings.mtp.depth, "chosen_depth": ctx.trees.get("mtp"),
+                      "module_cost_s": ctx.loaded.mtp[3]}
     return out
 
 
@@ -546,6 +592,18 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
     }
 
 
+def per_category(prompts: list[dict], n: int) -> list[dict]:
+    """The first ``n`` prompts of every category, in file order."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        c = p.get("category", "")
+        if seen.get(c, 0) < n:
+            seen[c] = seen.get(c, 0) + 1
+            out.append(p)
+    return out
+
+
 def markdown_table(result: dict) -> str:
     cols = ["method", "tokens_per_s", "speedup", "tau", "target_forwards", "new_tokens", "peak_mem_mb",
             "draft_ms_per_step", "verify_ms_per_step"]
@@ -562,6 +620,8 @@ def main(argv=None):
     ap.add_argument("--methods", default="ar,hf_generate", help=f"comma list; available: {','.join(sorted(METHODS))}")
     ap.add_argument("--prompts", default="eval", help="'eval', 'train' or a Spec-Bench-format .jsonl path")
     ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--per-category", type=int, default=0,
+                    help="the first N prompts of every category instead of the first --limit (a per-category table)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -575,7 +635,8 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the result here")
     a = ap.parse_args(argv)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    prompts = load_prompts(a.prompts, limit=a.limit)
+    prompts = per_category(load_prompts(a.prompts), a.per_category) if a.per_category else \
+        load_prompts(a.prompts, limit=a.limit)
     res = run_bench(methods, prompts, model_name=a.model, dtype=a.dtype, device=a.device,
                     max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                     repeats=a.repeats, seed=a.seed)

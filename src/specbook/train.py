@@ -3,6 +3,7 @@
     python -m specbook.train draft_model [--steps 600 --batch 8 --seq-len 256 --lr 1e-3]
     python -m specbook.train medusa [--heads 4 --vocab 8192 ...]
     python -m specbook.train eagle [--vocab 8192 --noise 0.1 ...]
+    python -m specbook.train mtp [--modules 3 --vocab 8192 ...]
 
 Reads the committed self-distilled corpus (data/corpus), builds/reuses the target's feature
 cache, trains, and writes ``data/checkpoints/<method>.{safetensors,json}`` — but only replaces an
@@ -60,6 +61,8 @@ METHODS = {
                      lambda a, c: {"n_heads": a.heads, "vocab": _head_vocab(a, c)}),
     "eagle": Method("specbook.drafters.eagle:EagleObjective", (-1,), "mean_top1",
                     lambda a, c: {"vocab": _head_vocab(a, c), "noise": a.noise}),
+    "mtp": Method("specbook.drafters.mtp:MTPObjective", (-1,), "mean_acc",
+                  lambda a, c: {"depth": a.modules, "vocab": _head_vocab(a, c)}),
 }
 
 
@@ -161,8 +164,9 @@ def main(argv=None):
                     help="train on N evenly spaced corpus records (0 = all); the card records the subset's sha")
     ap.add_argument("--heads", type=int, default=4, help="medusa: number of heads K")
     ap.add_argument("--noise", type=float, default=0.1, help="eagle: uniform noise amplitude on input features")
+    ap.add_argument("--modules", type=int, default=3, help="mtp: number of sequential MTP modules D")
     ap.add_argument("--vocab", type=int, default=8192,
-                    help="medusa / eagle: head vocabulary = the N most frequent corpus tokens (0 = full vocabulary)")
+                    help="medusa / eagle / mtp: head vocabulary = the N most frequent corpus tokens (0 = full vocabulary)")
     ap.add_argument("--out", default=None, help="checkpoint path without suffix (default data/checkpoints/METHOD)")
     ap.add_argument("--force", action="store_true", help="replace the checkpoint even if held-out acceptance is worse")
     ap.add_argument("--fresh", action="store_true", help="ignore a resumable state from an interrupted run")

@@ -23,16 +23,21 @@ def _head_config(target_config):
 
 
 class EagleHead(nn.Module):
-    """fc(2H -> H) + one decoder layer (+ final norm) of the target's family. ~4.2M parameters for SmolLM2."""
+    """fc(2H -> H) + one decoder layer (+ final norm) of the target's family. ~4.2M parameters for SmolLM2.
 
-    def __init__(self, target_config):
+    ``bias`` / ``final_norm``: EAGLE has both; an MTP module (drafters/mtp.py) reuses this block as its
+    projection M_k (no bias) + transformer block TRM_k, whose output is normed by the target's own final norm."""
+
+    def __init__(self, target_config, bias: bool = True, final_norm: bool = True):
         super().__init__()
         from transformers import AutoModel
 
         H = target_config.hidden_size
         self.hidden = H
-        self.fc = nn.Linear(2 * H, H, bias=True)
+        self.fc = nn.Linear(2 * H, H, bias=bias)
         self.model = AutoModel.from_config(_head_config(target_config))
+        if not final_norm:
+            self.model.norm = nn.Identity()
         # drafting (a cache is given) on a Llama-family head skips transformers' model wrapper: see _cached_llama
         self.fast_path = target_config.model_type == "llama" and getattr(target_config, "hidden_act", "") == "silu"
 
