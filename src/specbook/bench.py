@@ -524,6 +524,16 @@ def _mtp(ctx: BenchContext, ids, mask, gen) -> RunStats:
     return _spec(ctx, ids, MTPDrafter(ctx.model, mods, vocab, depth=depth), gen)
 
 
+@method("eagle_chain", "the EAGLE-1 head drafting a chain of top-1 tokens as deep as mtp's: the like-for-like "
+                       "baseline of mtp (same inputs, one head reused per depth)")
+def _eagle_chain(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.eagle import EagleDrafter
+    from .tree import chain_choices
+
+    head, vocab, _, _ = eagle_for(ctx)
+    return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=chain_choices(mtp_for(ctx)[4])), gen)
+
+
 def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
     """What a run used, beyond its arguments: method settings and what the "auto" sizes measured."""
     out = {"gamma": ctx.settings.sps.gamma}
@@ -537,7 +547,7 @@ def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
                         "draft_cost_s": eagle_for(ctx)[3], "eagle2_calibration": eagle_calibration(ctx)}
         if "eagle" in ctx.trees:
             out["eagle"]["static_choices"] = [list(c) for c in ctx.trees["eagle"]]
-    if ctx.loaded.mtp is not None and "mtp" in methods:
+    if ctx.loaded.mtp is not None and {"mtp", "eagle_chain"} & set(methods):
         out["mtp"] = {"depth": ctx.settings.mtp.depth, "chosen_depth": ctx.trees.get("mtp"),
                       "module_cost_s": ctx.loaded.mtp[3]}
     return out

@@ -258,8 +258,9 @@ class SpecState:
     """What a drafter may read. ``tokens`` = prompt + everything emitted so far (one sequence).
 
     Invariant: the target cache holds ``tokens[:-1]``; the newest token is fed with the next draft.
-    ``target_hidden`` [n, H]: the target's last-layer hidden states (after the final norm) of the
-    tokens committed in the last step, when the drafter asked for them (``needs_hidden``).
+    ``target_hidden`` [n, H']: the target's hidden states (the drafter's ``hidden_layers``; by default the last
+    layer's, after the final norm) of the tokens committed in the last step, when the drafter asked for them
+    (``needs_hidden``).
     """
 
     tokens: list[int]
@@ -277,11 +278,14 @@ class Drafter:
     propose(state) -> DraftTree   guess continuations of state.tokens
     update(state, draft, result)  the verification result is known and state.tokens extended
 
-    ``needs_hidden``: the loop passes the target's final hidden states in ``state.target_hidden``.
+    ``needs_hidden``: the loop passes the target's hidden states in ``state.target_hidden``: those of
+    ``hidden_layers`` (``output_hidden_states`` indices: 0 = embeddings, l = after l decoder layers, -1 = the
+    final hidden state after the last norm), concatenated along the feature axis.
     ``forwards``: the drafter's own forward passes so far (the loops report the difference per call).
     """
 
     needs_hidden: bool = False
+    hidden_layers: tuple[int, ...] = (-1,)
     forwards: int = 0
 
     def begin(self, state: SpecState) -> None:  # pragma: no cover - protocol
@@ -330,6 +334,12 @@ def commit_step(state: SpecState, new: list[int], drafter: Drafter, draft, res, 
 
 def done(new: list[int], eos: frozenset[int], max_new_tokens: int) -> bool:
     return len(new) >= max_new_tokens or new[-1] in eos
+
+
+def drafter_hidden(out, drafter: Drafter) -> torch.Tensor:
+    """The hidden states ``drafter`` reads from a target forward's output: [B, S, H * len(hidden_layers)]."""
+    hs = [out.hidden_states[layer] for layer in drafter.hidden_layers]
+    return hs[0] if len(hs) == 1 else torch.cat(hs, dim=-1)
 
 
 def _target_block(target, cache, root: int, draft, past: int, hidden: bool):
@@ -406,7 +416,7 @@ def speculative_generate(
     first, out = _start(target, input_ids, cache, sampling, generator, stats, hidden=drafter.needs_hidden)
     state = SpecState(tokens=input_ids[0].tolist() + first, prompt_len=input_ids.shape[1], sampling=sampling,
                       generator=generator, target=target,
-                      target_hidden=out.hidden_states[-1][0] if drafter.needs_hidden else None)
+                      target_hidden=drafter_hidden(out, drafter)[0] if drafter.needs_hidden else None)
     new = list(first)
     drafter.begin(state)
     f0 = drafter.forwards
@@ -428,7 +438,7 @@ def speculative_generate(
             keep_positions(cache, past + 1, torch.tensor(res.path, dtype=torch.long))
         if drafter.needs_hidden:
             rows = torch.tensor([0] + [i + 1 for i in res.path], device=dev)
-            state.target_hidden = out.hidden_states[-1][0].index_select(0, rows)
+            state.target_hidden = drafter_hidden(out, drafter)[0].index_select(0, rows)
         emitted = commit_step(state, new, drafter, draft, res, eos, max_new_tokens, stats)
         if trace is not None:
             trace.append({"draft": draft.tokens.tolist(), "parents": draft.parents.tolist(), "path": res.path,

@@ -195,9 +195,9 @@ def train(obj: Objective, data: TrainData, cfg: TrainConfig, run_dir: Path | Non
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, cfg)
         b = _to(data.batch(cfg.batch, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)), device)
+        opt.zero_grad(set_to_none=True)  # before loss(): an objective may backward part of its graph there
         with autocast:
             loss, metrics = obj.loss(b)
-        opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()

@@ -143,6 +143,7 @@ def slider_widget(sliders: dict, render):
                 plt.close(fig)
 
     for sl in sliders.values():
+        sl.continuous_update = False  # one redraw when the slider is released, not one per value dragged through
         sl.observe(redraw, names="value")
     redraw()
     box = w.VBox([w.HBox(list(sliders.values())), out])
@@ -317,3 +318,41 @@ def eagle_widget(target, head, vocab, tokenizer, prompt: str, depth: int = 5, to
          "total_tokens": w.IntSlider(value=total_tokens, min=1, max=64, description="total_tokens")},
         lambda depth, top_k, total_tokens: eagle_view(target, head, vocab, tokenizer, prompt, depth, top_k,
                                                       total_tokens, max_new_tokens))
+
+
+# --------------------------------------------------------------------------- MTP (notebook 04)
+
+
+def mtp_view(target, modules, vocab, tokenizer, prompt: str, depth: int = 3, temperature: float = 0.0,
+             max_new_tokens: int = 32, seed: int = 0) -> tuple[str, dict]:
+    """Decode ``prompt`` with the first ``depth`` MTP modules and colour every step's drafted tokens (accepted,
+    first rejected, the target's correction or bonus) — the notebook 04 widget callback."""
+    from .decoding import encode, speculative_generate
+    from .drafters.mtp import MTPDrafter
+    from .sampling import SamplingConfig, make_generator
+
+    ids, _ = encode(tokenizer, prompt, device=target.device)
+    trace: list = []
+    cfg = SamplingConfig(temperature=temperature)
+    res = speculative_generate(target, MTPDrafter(target, modules, vocab, depth=depth), ids, sampling=cfg,
+                               generator=None if cfg.greedy else make_generator(seed), max_new_tokens=max_new_tokens,
+                               eos_token_id=tokenizer.eos_token_id, trace=trace)
+    s = res.stats
+    per_step = [len(t["path"]) for t in trace]
+    info = {"depth": depth, "temperature": temperature, "tau": round(s.tau, 2), "target_forwards": s.target_forwards,
+            "new_tokens": s.new_tokens, "accepted_per_step": per_step}
+    head = (f"<b>D={depth}, T={temperature}</b>: {s.new_tokens} tokens in {s.target_forwards} target forwards "
+            f"(tau = {s.tau:.2f}); drafted tokens accepted per step: {per_step}<br>")
+    return head + legend_html() + color_tokens(trace_pieces(tokenizer, trace, res.tokens[0][0])), info
+
+
+def mtp_widget(target, modules, vocab, tokenizer, prompt: str, depth: int = 3, temperature: float = 0.0,
+               max_new_tokens: int = 32):
+    """Sliders for the depth D (modules used) and the temperature driving ``mtp_view``."""
+    import ipywidgets as w
+
+    return slider_widget(
+        {"depth": w.IntSlider(value=depth, min=1, max=modules.depth, description="depth D"),
+         "temperature": w.FloatSlider(value=temperature, min=0.0, max=1.5, step=0.1, description="temperature")},
+        lambda depth, temperature: mtp_view(target, modules, vocab, tokenizer, prompt, depth, temperature,
+                                            max_new_tokens)[0])
