@@ -13,6 +13,7 @@ from specbook import verify as V
 from specbook.decoding import Drafter, SpecState
 from specbook.drafters.draft_model import DraftModelDrafter
 from specbook.drafters.eagle import Eagle2Drafter, EagleDrafter, EagleHead
+from specbook.drafters.eagle3 import Eagle3Drafter, Eagle3Head
 from specbook.drafters.lookup import PromptLookupDrafter
 from specbook.drafters.medusa import MedusaDrafter, MedusaHeads
 from specbook.drafters.mtp import MTPDrafter, MTPModules
@@ -88,6 +89,16 @@ def _mtp_modules(target, depth=2):
     return mods.eval()
 
 
+def _eagle3_head(target):
+    torch.manual_seed(0)
+    head = Eagle3Head(target.config, torch.tensor([0, 2, 3]), taps=(0, 1, 1))  # a reduced vocabulary: d2t in use
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return head.eval()
+
+
 DRAFTERS = {
     "sps_chain": lambda t: DraftModelDrafter(tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=5), gamma=2),
     "sps_gamma1": lambda t: DraftModelDrafter(tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=4), gamma=1),
@@ -100,10 +111,11 @@ DRAFTERS = {
     "eagle_static": lambda t: EagleDrafter(t, _eagle_head(t), choices=[(0,), (1,), (0, 0), (1, 0)]),
     "eagle_dynamic": lambda t: Eagle2Drafter(t, _eagle_head(t), depth=2, top_k=2, total_tokens=4),
     "mtp": lambda t: MTPDrafter(t, _mtp_modules(t)),
+    "eagle3": lambda t: Eagle3Drafter(t, _eagle3_head(t), depth=2, top_k=2, total_tokens=4),
 }
 
 
-CORE = ["sps_chain", "iid_tree", "onehot_tree", "medusa", "eagle_static", "eagle_dynamic", "mtp"]
+CORE = ["sps_chain", "iid_tree", "onehot_tree", "medusa", "eagle_static", "eagle_dynamic", "mtp", "eagle3"]
 CASES = [(kind, cfg) for kind in CORE for cfg in CONFIGS] + \
     [(kind, "T1") for kind in DRAFTERS if kind not in CORE]  # variants of a core path: T = 1 only
 
@@ -128,6 +140,7 @@ BROKEN = {
                      lambda mp: mp.setattr(V, "residual_one_hot", lambda p, x: p)),
     "eagle_dynamic": ("rejected one-hot pick not removed from p",
                       lambda mp: mp.setattr(V, "residual_one_hot", lambda p, x: p)),
+    "eagle3": ("rejected one-hot pick not removed from p", lambda mp: mp.setattr(V, "residual_one_hot", lambda p, x: p)),
     "mtp": ("correction sampled from p instead of the residual norm(max(0, p - q))",
             lambda mp: mp.setattr(V, "residual", lambda p, q: p)),
 }

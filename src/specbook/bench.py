@@ -147,6 +147,7 @@ class Loaded:
     medusa: tuple | None = None  # (heads, vocab, card)
     eagle: tuple | None = None  # (head, vocab, card, measured draft cost in seconds)
     mtp: tuple | None = None  # (modules, vocab, card, measured cost of one module forward in seconds)
+    eagle3: tuple | None = None  # (head, card, measured draft cost in seconds)
 
 
 @dataclass
@@ -390,7 +391,8 @@ def preload(model, tokenizer, methods: tuple[str, ...] = ("eagle",)) -> Loaded:
     cost): pass it to several run_bench calls (notebook 03's search) so they share one load and one measurement."""
     ctx = BenchContext(model=model, tokenizer=tokenizer, sampling=SamplingConfig(), max_new_tokens=1)
     for m in methods:
-        {"eagle": eagle_for, "eagle2": eagle_for, "medusa": medusa_for, "sps": draft_model_for, "mtp": mtp_for}[m](ctx)
+        {"eagle": eagle_for, "eagle2": eagle_for, "medusa": medusa_for, "sps": draft_model_for, "mtp": mtp_for,
+         "eagle3": eagle3_for}[m](ctx)
     return ctx.loaded
 
 
@@ -492,6 +494,31 @@ def _interleaved(ctx: BenchContext, methods: list[str], prompts: list[dict], enc
                 bar.update(1)
     bar.close()
     return tot, cat, mem
+
+
+@method("eagle3", "EAGLE-3 head (data/checkpoints/eagle3: fused taps, draft vocabulary), EAGLE-2's dynamic tree, lossless")
+def _eagle3(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.eagle import confidence_calibration
+    from .drafters.eagle3 import Eagle3Drafter
+
+    head, card, cost = eagle3_for(ctx)
+    s = ctx.settings.eagle
+    drafter = Eagle3Drafter(ctx.model, head, depth=s.depth, top_k=s.top_k, total_tokens=s.eagle2_total,
+                            latency=latency_for(ctx), draft_cost=cost,
+                            calibration=confidence_calibration(card, ctx.sampling.temperature))
+    return _spec(ctx, ids, drafter, gen)
+
+
+def eagle3_for(ctx: BenchContext):
+    """The committed EAGLE-3 head, its card and one draft forward's measured cost (as eagle_for)."""
+    if ctx.loaded.eagle3 is None:
+        from .drafters.eagle3 import Eagle3Drafter, load_eagle3
+        from .train import CKPT_DIR
+
+        head, card = load_eagle3(ctx.model, CKPT_DIR / "eagle3")
+        cost = Eagle3Drafter(ctx.model, head, top_k=ctx.settings.eagle.top_k).measure_draft_cost()
+        ctx.loaded.eagle3 = (head, card, cost)
+    return ctx.loaded.eagle3
 
 
 # ---------------------------------------------------------------- MTP

@@ -284,7 +284,8 @@ def load_checkpoint(path: str | Path, target=None, kind: str | None = None) -> t
     path = Path(path)
     st, cj = path.with_suffix(".safetensors"), path.with_suffix(".json")
     if not st.exists() or not cj.exists():
-        raise CheckpointError(f"checkpoint {path} needs both {st.name} and {cj.name}")
+        hint = f"; train one with `python -m specbook.train {kind}`" if kind else ""
+        raise CheckpointError(f"checkpoint {path} needs both {st.name} and {cj.name}{hint}")
     try:
         card = json.loads(cj.read_text())
     except ValueError as e:

@@ -54,11 +54,15 @@ class EagleRunner(Drafter):
     def begin(self, state: SpecState) -> None:
         from transformers import DynamicCache
 
-        self.cache = DynamicCache(config=self.head.model.config)
+        self.cache = DynamicCache(config=self.head.config)
         self.n_cached = 0
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
         return self.E(torch.tensor([ids], device=self.W.device)).to(self.W.dtype)
+
+    def _features_in(self, hid: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states as the head's input feature (EAGLE: as they are; EAGLE-3: fused by fc)."""
+        return hid
 
     def _logp(self, f: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax((f @ self.W.T).float(), -1)  # draft confidence at T = 1 (EAGLE-2)
@@ -73,8 +77,8 @@ class EagleRunner(Drafter):
             raise RuntimeError(f"EAGLE draft cache holds {self.n_cached} positions but the new target features start "
                                f"at {first}: call begin() for a new sequence")
         pos = torch.arange(first, n, device=self.W.device)[None]
-        f = self.head(self._embed(state.tokens[first + 1:n + 1]), hid[None].to(self.W.dtype), position_ids=pos,
-                      cache=self.cache)
+        f = self.head(self._embed(state.tokens[first + 1:n + 1]), self._features_in(hid[None].to(self.W.dtype)),
+                      position_ids=pos, cache=self.cache)
         self.forwards += 1
         self.n_cached = n
         return f[0, -1]
@@ -114,7 +118,7 @@ class EagleRunner(Drafter):
         saved = (self.cache, self.n_cached, self.forwards)  # profiling is not drafting: all restored below
         H, k = self.W.shape[1], self.top_k
         try:
-            self.cache = DynamicCache(config=self.head.model.config)
+            self.cache = DynamicCache(config=self.head.config)
             feats = torch.zeros(1, context, H, dtype=self.W.dtype, device=self.W.device)
             self.head(self._embed([0] * context), feats, position_ids=torch.arange(context, device=self.W.device)[None],
                       cache=self.cache)

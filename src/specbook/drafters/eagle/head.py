@@ -41,6 +41,11 @@ class EagleHead(nn.Module):
         # drafting (a cache is given) on a Llama-family head skips transformers' model wrapper: see _cached_llama
         self.fast_path = target_config.model_type == "llama" and getattr(target_config, "hidden_act", "") == "silu"
 
+    @property
+    def config(self):
+        """The one-layer config (what the draft KV cache is built for)."""
+        return self.model.config
+
     def forward(self, emb: torch.Tensor, feat: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """emb, feat [B, S, H] (e(x_{j+1}), f_j) -> predicted features f^_{j+1} [B, S, H]."""
