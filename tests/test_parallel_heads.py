@@ -96,3 +96,29 @@ def test_bad_input(tmp_path):
     (tmp_path / "t.safetensors").write_bytes(b"broken")
     with pytest.raises(CheckpointError, match="corrupt"):
         load_toy(tmp_path / "t")
+
+
+def test_bench_runs_self_speculation_against_the_toys_own_ar():
+    from specbook import bench
+    from specbook.drafters.parallel_heads import ToyTokenizer
+
+    class Tok:  # a target tokenizer with a chat template: characters -> ids (odd ids fall outside the toy vocab)
+        chat_template = "chars"
+        eos_token_id, pad_token_id = 1, 0
+
+        def apply_chat_template(self, messages, **kw):
+            return [ord(c) % 22 for c in messages[0]["content"]]
+
+        def decode(self, ids, **kw):
+            return "".join(chr(97 + i) for i in ids)
+
+    m = _toy(noise=0.2)
+    tt = ToyTokenizer(Tok(), m)
+    assert tt.apply_chat_template([{"content": "ab"}]) == [11, 5]  # 97 % 22 = 9 is odd: other; 98 % 22 = 10 -> 5
+    assert tt.decode([1, 11]) == "c\ufffd"
+    res = bench.run_bench(["self_spec"], [{"turns": ["abc"], "category": "x"}, {"turns": ["hello"], "category": "y"}],
+                          model=m.lm, tokenizer=tt, max_new_tokens=8, progress=False, loaded=bench.Loaded(toy=m))
+    rows = {r["method"]: r for r in res["rows"]}
+    assert rows["ar"]["tau"] == 1.0 and rows["self_spec"]["tau"] >= 1.0 and rows["self_spec"]["new_tokens"] > 0
+    with pytest.raises(ValueError, match="toy MTP model"):
+        bench.run_bench(["self_spec"], [{"turns": ["abc"]}], model=m.lm, tokenizer=tt, max_new_tokens=4, progress=False)

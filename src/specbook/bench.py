@@ -148,6 +148,7 @@ class Loaded:
     eagle: tuple | None = None  # (head, vocab, card, measured draft cost in seconds)
     mtp: tuple | None = None  # (modules, vocab, card, measured cost of one module forward in seconds)
     eagle3: tuple | None = None  # (head, card, measured draft cost in seconds)
+    toy: object = None  # a parallel_heads.ToyMTP whose ``lm`` is the run's model (self_spec)
 
 
 @dataclass
@@ -519,6 +520,16 @@ def eagle3_for(ctx: BenchContext):
         cost = Eagle3Drafter(ctx.model, head, top_k=ctx.settings.eagle.top_k).measure_draft_cost()
         ctx.loaded.eagle3 = (head, card, cost)
     return ctx.loaded.eagle3
+
+
+@method("self_spec", "Gloeckle's self-speculation: a toy MTP model's heads 2..n draft, the model itself verifies "
+                     "(run_bench(model=toy.lm, tokenizer=ToyTokenizer(tok, toy), loaded=Loaded(toy=toy)))")
+def _self_spec(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.parallel_heads import SelfSpecDrafter
+
+    if ctx.loaded.toy is None or ctx.loaded.toy.lm is not ctx.model:
+        raise ValueError("self_spec runs on a toy MTP model: pass model=toy.lm and loaded=Loaded(toy=toy)")
+    return _spec(ctx, ids, SelfSpecDrafter(ctx.loaded.toy), gen)
 
 
 # ---------------------------------------------------------------- MTP

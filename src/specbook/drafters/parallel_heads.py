@@ -203,6 +203,28 @@ class SelfSpecDrafter(Drafter):
         return DraftTree.chain(torch.tensor(toks, dtype=torch.long), torch.stack(qs))
 
 
+class ToyTokenizer:
+    """The target tokenizer seen through a toy model's vocabulary (what ``encode`` and the bench need): chat
+    template and EOS mapped to toy ids, decode mapped back ('other' ids decode as U+FFFD)."""
+
+    def __init__(self, tokenizer, model: ToyMTP):
+        self.tok, self.model = tokenizer, model
+        self.chat_template = getattr(tokenizer, "chat_template", None)
+        self.eos_token_id = self._map([tokenizer.eos_token_id])[0]
+        self.pad_token_id = model.cfg.vocab  # the 'other' id: only ever under the attention mask
+
+    def _map(self, ids) -> list[int]:
+        return self.model.to_toy(torch.as_tensor(list(ids), dtype=torch.long)).tolist()
+
+    def apply_chat_template(self, messages, **kw):
+        ids = self.tok.apply_chat_template(messages, **{**kw, "return_dict": False})
+        return self._map(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def decode(self, ids, **kw) -> str:
+        return "".join("\ufffd" if i >= len(self.model.vocab) else self.tok.decode([int(self.model.vocab[i])], **kw)
+                       for i in ids)
+
+
 def load_toy(path) -> tuple[ToyMTP, dict]:
     """A committed toy model and its card (refuses a corrupt file or a config that does not match)."""
     from ..training import CheckpointError, load_checkpoint
