@@ -110,12 +110,19 @@ DRAFTERS = {
     "medusa": lambda t: MedusaDrafter(t, _medusa_heads(t), [(0,), (1,), (0, 0), (1, 0)]),
     "eagle_static": lambda t: EagleDrafter(t, _eagle_head(t), choices=[(0,), (1,), (0, 0), (1, 0)]),
     "eagle_dynamic": lambda t: Eagle2Drafter(t, _eagle_head(t), depth=2, top_k=2, total_tokens=4),
+    "eagle_static_noreplace": lambda t: EagleDrafter(t, _eagle_head(t), choices=[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)],
+                                                     children="noreplace"),
+    "eagle_static_iid": lambda t: EagleDrafter(t, _eagle_head(t), choices=[(0,), (1,), (0, 0), (1, 0)], children="iid"),
+    "eagle_dynamic_noreplace": lambda t: Eagle2Drafter(t, _eagle_head(t), depth=3, top_k=2, total_tokens=6,
+                                                       children="noreplace"),
+    "eagle_dynamic_iid": lambda t: Eagle2Drafter(t, _eagle_head(t), depth=2, top_k=2, total_tokens=4, children="iid"),
     "mtp": lambda t: MTPDrafter(t, _mtp_modules(t)),
     "eagle3": lambda t: Eagle3Drafter(t, _eagle3_head(t), depth=2, top_k=2, total_tokens=4),
 }
 
 
-CORE = ["sps_chain", "iid_tree", "onehot_tree", "medusa", "eagle_static", "eagle_dynamic", "mtp", "eagle3"]
+CORE = ["sps_chain", "iid_tree", "onehot_tree", "medusa", "eagle_static", "eagle_dynamic", "mtp", "eagle3",
+        "eagle_static_noreplace", "eagle_dynamic_noreplace"]
 CASES = [(kind, cfg) for kind in CORE for cfg in CONFIGS] + \
     [(kind, "T1") for kind in DRAFTERS if kind not in CORE]  # variants of a core path: T = 1 only
 
@@ -140,10 +147,23 @@ BROKEN = {
                      lambda mp: mp.setattr(V, "residual_one_hot", lambda p, x: p)),
     "eagle_dynamic": ("rejected one-hot pick not removed from p",
                       lambda mp: mp.setattr(V, "residual_one_hot", lambda p, x: p)),
+    "eagle_static_noreplace": ("without-replacement siblings verified against q instead of q minus the earlier draws",
+                               lambda mp: _forget_removal(mp)),
+    "eagle_dynamic_noreplace": ("without-replacement siblings verified against q instead of q minus the earlier draws",
+                                lambda mp: _forget_removal(mp)),
     "eagle3": ("rejected one-hot pick not removed from p", lambda mp: mp.setattr(V, "residual_one_hot", lambda p, x: p)),
     "mtp": ("correction sampled from p instead of the residual norm(max(0, p - q))",
             lambda mp: mp.setattr(V, "residual", lambda p, q: p)),
 }
+
+
+def _forget_removal(mp):
+    """The planted bug: every sibling carries the node's full q (the drawn tokens never removed), and the
+    sibling contract check that would catch it is switched off."""
+    import specbook.drafters.eagle.drafter as E
+
+    mp.setattr(E, "without_replacement_rows", lambda q, idx: q.float()[None].expand(len(idx), -1))
+    mp.setattr(V.DraftTree, "check_siblings", lambda self: None)
 
 
 @pytest.mark.parametrize("kind", list(BROKEN))

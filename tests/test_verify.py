@@ -135,7 +135,16 @@ def test_sibling_contract_is_checked():
     with pytest.raises(ValueError, match="one-hot picks carry q=None"):
         DraftTree(torch.tensor([0, 1]), torch.tensor([-1, -1]), children="iid")
     with pytest.raises(ValueError, match="children must be one of"):
-        DraftTree(torch.tensor([0, 1]), torch.tensor([-1, -1]), q[:2], children="noreplace")
+        DraftTree(torch.tensor([0, 1]), torch.tensor([-1, -1]), q[:2], children="bogus")
+    # without replacement: sibling 2's row must be sibling 1's minus its token, renormalized
+    wr = DraftTree(torch.tensor([0, 1]), torch.tensor([-1, -1]), torch.tensor([[0.5, 0.3, 0.2], [0.0, 0.6, 0.4]]),
+                   children="noreplace")
+    verify(torch.zeros(3, 3), wr, SamplingConfig(1.0), make_generator(0))
+    for rows, toks in (([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]], [0, 1]),  # the drawn token not removed from q
+                       ([[0.5, 0.3, 0.2], [0.0, 0.6, 0.4]], [0, 0])):  # a repeated token
+        bad_wr = DraftTree(torch.tensor(toks), torch.tensor([-1, -1]), torch.tensor(rows), children="noreplace")
+        with pytest.raises(ValueError, match="without replacement"):
+            verify(torch.zeros(3, 3), bad_wr, SamplingConfig(1.0), make_generator(0))
     bad = DraftTree(torch.tensor([0, 1, 1]), torch.tensor([-1, -1, 0]), q)  # siblings 0 and 1 carry different q
     with pytest.raises(ValueError, match="different q rows"):
         verify(torch.zeros(4, 3), bad, SamplingConfig(1.0), make_generator(0))

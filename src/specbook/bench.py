@@ -97,6 +97,8 @@ class EagleSettings:
     eagle2_calibration  None = from the head's card at the run's temperature; 1.0 = the paper's
                         confidence-as-acceptance (notebook 03 compares)
     draft_cost          None = measured once per run; a number overrides it (0.0 = an auto mode blind to it)
+    children            at T > 0: "topk" (the papers' top-k picks), "iid" or "noreplace" (children drawn from the
+                        draft's q, kept with min(1, p/q); EagleRunner); eagle, eagle2 and eagle3 use it
     """
 
     nodes: Size = "auto"
@@ -105,8 +107,13 @@ class EagleSettings:
     eagle2_total: Size = "auto"
     eagle2_calibration: float | None = None
     draft_cost: float | None = None
+    children: str = "topk"
 
     def __post_init__(self):
+        from .drafters.eagle.drafter import CHILD_RULES
+
+        if self.children not in CHILD_RULES:
+            raise ValueError(f"eagle children must be one of {CHILD_RULES}, got {self.children!r}")
         for name in ("depth", "top_k"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"eagle {name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -415,7 +422,8 @@ def _eagle(ctx: BenchContext, ids, mask, gen) -> RunStats:
     if "eagle" not in ctx.trees:
         s = ctx.settings.eagle
         ctx.trees["eagle"] = static_tree(card, s.nodes, s.depth, ctx.sampling.temperature, latency_for(ctx), cost)
-    return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=ctx.trees["eagle"]), gen)
+    return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=ctx.trees["eagle"],
+                                        children=ctx.settings.eagle.children), gen)
 
 
 @method("eagle2", "EAGLE-2 dynamic tree (depth, top_k, eagle2_total nodes) on the same head, lossless")
@@ -425,7 +433,8 @@ def _eagle2(ctx: BenchContext, ids, mask, gen) -> RunStats:
     head, vocab, _, cost = eagle_for(ctx)
     s = ctx.settings.eagle
     drafter = Eagle2Drafter(ctx.model, head, vocab, depth=s.depth, top_k=s.top_k, total_tokens=s.eagle2_total,
-                            latency=latency_for(ctx), draft_cost=cost, calibration=eagle_calibration(ctx))
+                            latency=latency_for(ctx), draft_cost=cost, calibration=eagle_calibration(ctx),
+                            children=s.children)
     return _spec(ctx, ids, drafter, gen)
 
 
@@ -506,7 +515,7 @@ def _eagle3(ctx: BenchContext, ids, mask, gen) -> RunStats:
     s = ctx.settings.eagle
     drafter = Eagle3Drafter(ctx.model, head, depth=s.depth, top_k=s.top_k, total_tokens=s.eagle2_total,
                             latency=latency_for(ctx), draft_cost=cost,
-                            calibration=confidence_calibration(card, ctx.sampling.temperature))
+                            calibration=confidence_calibration(card, ctx.sampling.temperature), children=s.children)
     return _spec(ctx, ids, drafter, gen)
 
 
@@ -582,6 +591,7 @@ def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
     if ctx.loaded.eagle is not None and {"eagle", "eagle2"} & set(methods):
         s = ctx.settings.eagle
         out["eagle"] = {"nodes": s.nodes, "depth": s.depth, "top_k": s.top_k, "eagle2_total": s.eagle2_total,
+                        "children": s.children,
                         "draft_cost_s": eagle_for(ctx)[3], "eagle2_calibration": eagle_calibration(ctx)}
         if "eagle" in ctx.trees:
             out["eagle"]["static_choices"] = [list(c) for c in ctx.trees["eagle"]]
@@ -680,6 +690,9 @@ def main(argv=None):
     ap.add_argument("--device", default=None)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--children", default="topk", choices=["topk", "iid", "noreplace"],
+                    help="eagle / eagle2 / eagle3 at T > 0: top-k picks, or children drawn from q (i.i.d. / without "
+                         "replacement)")
     ap.add_argument("--json", default=None, help="write the result here")
     a = ap.parse_args(argv)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -687,7 +700,7 @@ def main(argv=None):
         load_prompts(a.prompts, limit=a.limit)
     res = run_bench(methods, prompts, model_name=a.model, dtype=a.dtype, device=a.device,
                     max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                    repeats=a.repeats, seed=a.seed)
+                    repeats=a.repeats, seed=a.seed, settings=Settings(eagle=EagleSettings(children=a.children)))
     res["settings"]["command"] = "python -m specbook.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     res["settings"]["prompts_source"] = a.prompts
     print(markdown_table(res))

@@ -123,3 +123,29 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
     """A seeded torch.Generator on ``device`` (the only source of randomness in specbook)."""
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+def gumbel_top_k(q: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """``k`` distinct tokens drawn WITHOUT replacement from q [V], in draw order (the Gumbel-top-k trick: the
+    order of log q + Gumbel noise is a sequential draw without replacement; Kool et al. 2019). Only tokens
+    with q > 0 can be drawn, so fewer than ``k`` come back when q's support is smaller. -> [k'] long"""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    u = torch.rand(q.shape, generator=generator, device=q.device, dtype=torch.float64).clamp(1e-300, 1 - 1e-16)
+    keys = q.double().log() - (-u.log()).log()
+    keys = keys.masked_fill(q <= 0, float("-inf"))
+    k = min(k, int((q > 0).sum()))
+    return keys.topk(k).indices
+
+
+def without_replacement_rows(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The distribution each draw of a without-replacement sequence came from: row i = q with tokens[:i]
+    removed, renormalized. q [V], tokens [k] -> [k, V] float32 (what verification divides by)."""
+    rows, cur = [], q.float()
+    for t in tokens.tolist():
+        rows.append(cur)
+        cur = cur.clone()
+        cur[t] = 0
+        s = cur.sum()
+        cur = cur / s if s > 0 else cur
+    return torch.stack(rows) if rows else q.float()[:0]

@@ -17,8 +17,11 @@ SpecInfer / EAGLE), walking down from the root:
     no child accepted:  emit a correction sampled from p (the residual)
     leaf reached:       emit a bonus token sampled from p(leaf)
 
-For a chain this is exactly Leviathan's algorithm. Siblings must be i.i.d. draws from one q
-(or distinct one-hot picks); then every emitted token is distributed as the target's.
+For a chain this is exactly Leviathan's algorithm. Siblings must be i.i.d. draws from one q, distinct
+one-hot picks, or draws WITHOUT replacement from one q whose rows say so: sibling i carries q_i = q with
+the earlier siblings' tokens removed and renormalized — the distribution it was drawn from. The same rule
+then is Recursive Speculative Decoding's (Jeon et al. 2024): accept x_i with min(1, p_i(x_i) / q_i(x_i)),
+else p_{i+1} = norm(max(0, p_i - q_i)). Every emitted token is distributed as the target's.
 
 Greedy (temperature 0): descend into the child whose token equals argmax p; correction = argmax.
 
@@ -37,7 +40,7 @@ from .sampling import SamplingConfig, probs_from, sample
 from .tree import children_of as _children
 from .tree import depths
 
-Children = Literal["onehot", "iid"]
+Children = Literal["onehot", "iid", "noreplace"]
 CHILDREN = get_args(Children)
 
 
@@ -51,9 +54,10 @@ class DraftTree:
     confidence [N]       optional drafter confidence (EAGLE-2 / DSpark scheduling)
     children             how siblings were drawn — the contract that makes verification lossless:
                          "onehot": deterministic picks (q = None; duplicates are wasted, never wrong);
-                         "iid": independent draws from ONE q per parent (every sibling carries the same q row).
-                         Default: "onehot" when q is None, else "iid". Sampling without replacement is
-                         neither and has no lossless rule here: declare it and verification refuses it.
+                         "iid": independent draws from ONE q per parent (every sibling carries the same q row);
+                         "noreplace": draws without replacement from one q, in draw order, sibling i carrying
+                         q with siblings < i removed and renormalized (``sampling.without_replacement_rows``).
+                         Default: "onehot" when q is None, else "iid".
     """
 
     tokens: torch.Tensor
@@ -111,15 +115,26 @@ class DraftTree:
                          self.children)
 
     def check_siblings(self) -> None:
-        """Raise if i.i.d. siblings do not share one q row (the cheap part of the contract; verify calls it)."""
-        if self.children != "iid" or self.is_chain:
+        """Raise if siblings break their rule's q contract (the cheap part of the contract; verify calls it):
+        i.i.d. siblings share one q row; without-replacement siblings are distinct and each row is the
+        previous one with the previous sibling's token removed and renormalized."""
+        if self.children == "onehot" or self.is_chain:
             return
         ch = _children(self.parents.tolist(), len(self))
+        toks = self.tokens.tolist()
         for parent, kids in ch.items():
-            for c in kids[1:]:
-                if not torch.equal(self.q[c], self.q[kids[0]]):
-                    raise ValueError(f"siblings {kids[0]} and {c} (children of {parent}) carry different q rows: "
-                                     "i.i.d. siblings must all be drawn from one distribution")
+            for a, c in zip(kids, kids[1:]):
+                if self.children == "iid":
+                    if not torch.equal(self.q[c], self.q[kids[0]]):
+                        raise ValueError(f"siblings {kids[0]} and {c} (children of {parent}) carry different q rows: "
+                                         "i.i.d. siblings must all be drawn from one distribution")
+                    continue
+                want = self.q[a].float().clone()
+                want[toks[a]] = 0
+                if toks[c] in [toks[x] for x in kids[:kids.index(c)]] or \
+                        not torch.allclose(self.q[c].float(), want / want.sum(), atol=1e-6):
+                    raise ValueError(f"sibling {c} (child of {parent}) is not a draw without replacement after {a}: "
+                                     "its token must be new and its q the previous row minus the previous token")
 
 
 @dataclass

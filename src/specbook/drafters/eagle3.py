@@ -312,8 +312,8 @@ class Eagle3Drafter(Eagle2Drafter):
     def _features_in(self, hid: torch.Tensor) -> torch.Tensor:
         return self.head.fc(hid)
 
-    def _logp(self, f: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.head.logits(f).float(), -1)
+    def _logits(self, f: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(f)
 
 
 def coverage(counts, sizes) -> dict[int, float]:

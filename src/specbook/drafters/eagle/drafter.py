@@ -5,17 +5,21 @@ catch-up with the target's true features, tree-attention expansion) under two dr
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from ...decoding import Drafter, SpecState
 from ...roofline import auto_size
+from ...sampling import gumbel_top_k, probs_from, without_replacement_rows
 from ...tree import additive_mask, tree_from_choices
 from ...verify import DraftTree
 from .. import head_rows
-from .dynamic import Pool, grow_dynamic, worth_expanding
+from .dynamic import Pool, grow_dynamic, grow_sampled, worth_expanding
 from .head import EagleHead
+
+ChildRule = Literal["topk", "iid", "noreplace"]
+CHILD_RULES = get_args(ChildRule)
 
 
 class EagleRunner(Drafter):
@@ -24,16 +28,25 @@ class EagleRunner(Drafter):
     head          EagleHead on the target's device / dtype
     vocab         [Vd] token ids the head may propose (None = full vocabulary)
     top_k         children per expanded node (the widest rank a tree asks of one draft forward)
+    children      at T > 0, how a node's children are chosen: "topk" = the draft's top picks (one-hot q: a pick x
+                  is kept with probability p(x)); "iid" = drawn i.i.d. from the draft's q under the run's sampling
+                  config; "noreplace" = drawn without replacement (Gumbel-top-k) — both kept with min(1, p/q)
+                  (verify.py). At T = 0 every rule drafts the top picks.
 
     Draft KV cache: committed positions only, computed from the target's TRUE features. Tree nodes are
     appended while drafting and cropped away afterwards; the accepted tokens are re-run with the target's
     features at the next step (as the EAGLE reference does), so after every step the draft cache equals one
-    recomputed from the committed tokens. Subclasses implement ``_draft(lp_root, f_root, start)``.
+    recomputed from the committed tokens. Subclasses implement ``_draft(f_root, start)``.
     """
 
     needs_hidden = True
 
-    def __init__(self, target, head: EagleHead, vocab: torch.Tensor | None = None, *, top_k: int = 4):
+    def __init__(self, target, head: EagleHead, vocab: torch.Tensor | None = None, *, top_k: int = 4,
+                 children: ChildRule = "topk"):
+        if children not in CHILD_RULES:
+            raise ValueError(f"children must be one of {CHILD_RULES} (how a node's children are chosen at T > 0), "
+                             f"got {children!r}")
+        self.rule = children
         W, self.vocab = head_rows(target.get_output_embeddings().weight, vocab)
         if next(head.parameters()).device != W.device:
             raise ValueError(f"the EAGLE head is on {next(head.parameters()).device} but the target is on {W.device}; "
@@ -46,6 +59,8 @@ class EagleRunner(Drafter):
         if top_k > W.shape[0]:
             raise ValueError(f"top_k {top_k} is above the head vocabulary ({W.shape[0]} tokens)")
         self.target, self.head, self.W = target, head.eval(), W.contiguous()
+        self.V = target.get_output_embeddings().weight.shape[0]
+        self._sampling, self._gen = None, None
         self.E = target.get_input_embeddings()
         self.top_k = top_k
         self.forwards = 0
@@ -64,8 +79,45 @@ class EagleRunner(Drafter):
         """The target's hidden states as the head's input feature (EAGLE: as they are; EAGLE-3: fused by fc)."""
         return hid
 
+    def _logits(self, f: torch.Tensor) -> torch.Tensor:
+        return f @ self.W.T  # [..., Vd]
+
     def _logp(self, f: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax((f @ self.W.T).float(), -1)  # draft confidence at T = 1 (EAGLE-2)
+        return torch.log_softmax(self._logits(f).float(), -1)  # draft confidence at T = 1 (EAGLE-2)
+
+    def _sampled(self) -> bool:
+        return self.rule != "topk" and not self._sampling.greedy
+
+    def _draw(self, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k children from one node's q [Vd] by the rule -> (head-vocabulary indices [k'], their q rows [k', Vd])."""
+        if self.rule == "noreplace":
+            idx = gumbel_top_k(q, k, self._gen)
+            return idx, without_replacement_rows(q, idx)
+        idx = torch.multinomial(q, k, replacement=True, generator=self._gen)
+        return idx, q[None].expand(k, -1)
+
+    def _full(self, rows: torch.Tensor) -> torch.Tensor:
+        """q rows over the head vocabulary [k, Vd] -> over the target's [k, V] (zero outside the head's)."""
+        if self.vocab is None:
+            return rows
+        out = torch.zeros(rows.shape[0], self.V, dtype=torch.float32, device=rows.device)
+        return out.index_copy_(1, self.vocab, rows.float())
+
+    def _pick(self, f: torch.Tensor, counts: list[int]) -> list[tuple[list[int], list[float], torch.Tensor | None]]:
+        """Children of F expanded nodes (their predicted features f [F, H]): ``counts[r]`` for row r ->
+        per row (token ids, log-probabilities, q rows [k, V] or None for top picks). Top picks score by the
+        draft's T = 1 log-probability (EAGLE-2's confidence); sampled children by the log of the q they were
+        drawn from (the draft's probability of what was sampled)."""
+        logits = self._logits(f)
+        if not self._sampled():
+            v, i = torch.log_softmax(logits.float(), -1).topk(max(counts), -1)
+            return [(self._ids(i[r, :c]), v[r, :c].tolist(), None) for r, c in enumerate(counts)]
+        q = probs_from(logits, self._sampling)  # [F, Vd] float32, the run's temperature / top-k / top-p
+        out = []
+        for r, c in enumerate(counts):
+            idx, rows = self._draw(q[r], c)
+            out.append((self._ids(idx), q[r][idx].log().tolist(), self._full(rows)))
+        return out
 
     def _catch_up(self, state: SpecState) -> torch.Tensor:
         """Feed the committed positions the head has not seen, with the target's true features;
@@ -141,12 +193,15 @@ class EagleRunner(Drafter):
         from ...cache import crop_to
 
         start = self.forwards  # this step's draft forwards = self.forwards - start
+        self._sampling, self._gen = state.sampling, state.generator
+        if self._sampled() and state.generator is None:
+            raise ValueError(f"children={self.rule!r} samples the draft at T > 0: it needs the loop's generator")
         f_root = self._catch_up(state)
-        tree = self._draft(self._logp(f_root), f_root, start)
+        tree = self._draft(f_root, start)
         crop_to(self.cache, self.n_cached)  # drop the tree: only committed positions stay
         return tree
 
-    def _draft(self, lp_root: torch.Tensor, f_root: torch.Tensor, start: int) -> DraftTree:  # pragma: no cover
+    def _draft(self, f_root: torch.Tensor, start: int) -> DraftTree:  # pragma: no cover
         raise NotImplementedError
 
 
@@ -160,48 +215,52 @@ def measure_draft_cost(target, head: EagleHead, vocab: torch.Tensor | None = Non
 class EagleDrafter(EagleRunner):
     """EAGLE-1: the head drafts a fixed tree, ``choices`` (Medusa-style rank paths, tree.tree_from_choices;
     ``tree.chain_choices(d)`` = a chain of d top-1 tokens; ``static.static_tree`` = the sparse
-    tree from the head's rank accuracies). Children are top-k picks: one-hot q, lossless at any temperature."""
+    tree from the head's rank accuracies). Children: top-k picks (one-hot q), or at T > 0 draws from q
+    (``children``), each node's children taking its picks in rank order; lossless at any temperature."""
 
     def __init__(self, target, head: EagleHead, vocab: torch.Tensor | None = None, *,
-                 choices: list[tuple[int, ...]]):
+                 choices: list[tuple[int, ...]], children: ChildRule = "topk"):
         nodes, parents = tree_from_choices(choices)
-        super().__init__(target, head, vocab, top_k=max(c[-1] for c in nodes) + 1)
+        super().__init__(target, head, vocab, top_k=max(c[-1] for c in nodes) + 1, children=children)
         self.nodes, self.parents = nodes, parents
         self.depth = max(len(c) for c in nodes)
 
-    def _draft(self, lp_root: torch.Tensor, f_root: torch.Tensor, start: int) -> DraftTree:
-        nodes, parents = self.nodes, self.parents
-        index = {c: i for i, c in enumerate(nodes)}
-        tok = [0] * len(nodes)
-        score = [0.0] * len(nodes)
-        v, i = lp_root.topk(self.top_k)
-        ids = self._ids(i)
-        for c in nodes:
-            if len(c) == 1:
-                tok[index[c]], score[index[c]] = ids[c[0]], float(v[c[0]])
-        slot, n_tree = {}, 0
-        feat_of = {(): f_root}
+    def _draft(self, f_root: torch.Tensor, start: int) -> DraftTree:
+        """The spec's tree, one draft forward per depth. A node's children take the node's picks in rank order
+        (top picks, or draws in draw order): which nodes exist never depends on what was drawn, so sampled
+        children stay lossless. A node whose q has fewer tokens than the spec asks keeps fewer children."""
+        kids: dict[tuple, list[tuple]] = {}
+        for c in self.nodes:
+            kids.setdefault(c[:-1], []).append(c)
+        for v in kids.values():
+            v.sort()
+        tok, score, qrow, feat_of, slot = {}, {}, {}, {(): f_root}, {}
+
+        def assign(specs: list[tuple], f_rows: torch.Tensor) -> None:
+            for c, (ids, lps, rows) in zip(specs, self._pick(f_rows, [len(kids[c]) for c in specs])):
+                for j, x in enumerate(kids[c][:len(ids)]):
+                    tok[x], score[x] = ids[j], score.get(c, 0.0) + lps[j]
+                    qrow[x] = None if rows is None else rows[j]
+
+        assign([()], f_root[None])
+        n_tree = 0
         for d in range(1, self.depth):
-            # nodes at depth d that have children in the spec
-            block = [c for c in nodes if len(c) == d and any(len(x) == d + 1 and x[:d] == c for x in nodes)]
+            block = [c for c in self.nodes if len(c) == d and c in tok and c in kids]  # nodes with children to draw
             if not block:
                 break
             anc = [[slot[c[:m]] for m in range(1, d)] for c in block]
-            f = self._expand([tok[index[c]] for c in block], torch.stack([feat_of[c[:-1]] for c in block]), d - 1,
-                             anc, n_tree)
+            f = self._expand([tok[c] for c in block], torch.stack([feat_of[c[:-1]] for c in block]), d - 1, anc, n_tree)
             for r, c in enumerate(block):
-                slot[c] = n_tree
+                slot[c], feat_of[c] = n_tree, f[r]
                 n_tree += 1
-                feat_of[c] = f[r]
-            lp = self._logp(f)
-            cv, ci = lp.topk(self.top_k, dim=-1)
-            for r, c in enumerate(block):
-                ids = self._ids(ci[r])
-                for x in nodes:
-                    if len(x) == d + 1 and x[:d] == c:
-                        tok[index[x]] = ids[x[-1]]
-                        score[index[x]] = score[index[c]] + float(cv[r, x[-1]])
-        return DraftTree(torch.tensor(tok, dtype=torch.long), parents.clone(), confidence=torch.tensor(score).exp())
+            assign(block, f)
+        keep = [c for c in self.nodes if c in tok]  # topological (the spec's order), closed under ancestors
+        new = {c: i for i, c in enumerate(keep)}
+        parents = torch.tensor([new[c[:-1]] if len(c) > 1 else -1 for c in keep], dtype=torch.long)
+        sampled = self._sampled()
+        return DraftTree(torch.tensor([tok[c] for c in keep], dtype=torch.long), parents,
+                         q=torch.stack([qrow[c] for c in keep]) if sampled else None,
+                         confidence=torch.tensor([score[c] for c in keep]).exp(), children=self.rule if sampled else None)
 
 
 class Eagle2Drafter(EagleRunner):
@@ -214,13 +273,18 @@ class Eagle2Drafter(EagleRunner):
                   the cost model, and the expansion stops early once another depth cannot pay (``worth_expanding``)
     calibration   for "auto": accepted tokens per unit of draft confidence (``confidence_calibration(card, T)``);
                   the cost model values a node at min(1, calibration x its path confidence). 1.0 = the paper's
-                  confidence-as-acceptance. Only the tree's size and depth move: proposals stay top-k picks.
+                  confidence-as-acceptance. Only the tree's size and depth move.
+    children      "topk" (the paper: top-k picks and the rerank); at T > 0 "iid" / "noreplace" draw the children
+                  from q instead and grow the tree with ``dynamic.grow_sampled`` (no rerank by what was drawn;
+                  ``top_k`` = nodes per depth; the first ``total_tokens`` nodes, or up to ``max_auto`` when the
+                  expansion stops by the cost model in "auto").
     """
 
     def __init__(self, target, head: EagleHead, vocab: torch.Tensor | None = None, *, depth: int = 5,
                  top_k: int = 4, total_tokens: int | Literal["auto"] = 16, latency: dict[int, float] | None = None,
-                 max_auto: int = 64, draft_cost: float | None = None, calibration: float = 1.0):
-        super().__init__(target, head, vocab, top_k=top_k)
+                 max_auto: int = 64, draft_cost: float | None = None, calibration: float = 1.0,
+                 children: ChildRule = "topk"):
+        super().__init__(target, head, vocab, top_k=top_k, children=children)
         if not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1, got {depth!r}")
         if total_tokens == "auto":
@@ -238,7 +302,12 @@ class Eagle2Drafter(EagleRunner):
         self.total_tokens, self.latency, self.max_auto, self.draft_cost = total_tokens, latency, max_auto, draft_cost
         self.calibration = float(calibration)
 
-    def _draft(self, lp_root: torch.Tensor, f_root: torch.Tensor, start: int) -> DraftTree:
+    def _top_logq(self, f: torch.Tensor, k: int) -> torch.Tensor:
+        """[F, k] the k largest log q (the run's sampling config) of each expanded node: what its rank-c child is
+        worth before drawing (grow_sampled's keys)."""
+        return probs_from(self._logits(f), self._sampling).topk(k, -1).values.log()
+
+    def _draft(self, f_root: torch.Tensor, start: int) -> DraftTree:
         out_feat: dict[int, torch.Tensor] = {-1: f_root}  # pool index -> its predicted feature (children's input)
         slot: dict[int, int] = {}  # pool index -> append order in the draft cache
         n_tree = [0]
@@ -256,11 +325,10 @@ class Eagle2Drafter(EagleRunner):
             for r, j in enumerate(frontier):
                 slot[j], out_feat[j] = n_tree[0], f[r]
                 n_tree[0] += 1
-            return self._logp(f)
+            return f
 
         auto = self.total_tokens == "auto"
         c = self.draft_cost or 0.0
-
         cal = self.calibration
 
         def confidences(pool: Pool) -> list[float]:  # the cost model's acceptance estimate per node, best first
@@ -271,8 +339,13 @@ class Eagle2Drafter(EagleRunner):
             return worth_expanding(confidences(pool), mass, self.latency, self.max_auto,
                                    (self.forwards - start) * c, c)
 
-        pool = grow_dynamic(lp_root, expand, self.depth, self.top_k, to_tokens=self._ids,
-                            keep_going=keep_going if auto and self.draft_cost is not None else None)
+        stop = keep_going if auto and self.draft_cost is not None else None
+        if self._sampled():
+            pool = grow_sampled(f_root, expand, self.depth, self.top_k, self._pick, self._top_logq, keep_going=stop)
+            cap = self.max_auto if auto else self.total_tokens
+            return pool.tree_in_order(cap, self.rule)
+        pool = grow_dynamic(self._logp(f_root), lambda pool, fr: self._logp(expand(pool, fr)), self.depth, self.top_k,
+                            to_tokens=self._ids, keep_going=stop)
         if auto:
             total = auto_size(confidences(pool), self.latency, self.max_auto, (self.forwards - start) * c)
         else:

@@ -59,10 +59,18 @@ class Pool:
     par: list[int] = field(default_factory=list)  # pool index of the parent, -1 = root
     score: list[float] = field(default_factory=list)  # cumulative draft log-probability of the path
     dep: list[int] = field(default_factory=list)  # 0 = child of the root
+    q: list = field(default_factory=list)  # sampled children: the q row each was drawn from (else None)
 
-    def add(self, tok: int, par: int, score: float, dep: int) -> int:
-        self.tok.append(tok), self.par.append(par), self.score.append(score), self.dep.append(dep)
+    def add(self, tok: int, par: int, score: float, dep: int, q=None) -> int:
+        self.tok.append(tok), self.par.append(par), self.score.append(score), self.dep.append(dep), self.q.append(q)
         return len(self.tok) - 1
+
+    def tree_in_order(self, total: int, children: str) -> DraftTree:
+        """Sampled trees: the first ``total`` nodes in creation order (depth by depth) with their q rows — no
+        rerank by what was drawn (grow_sampled says why)."""
+        n = min(total, len(self.tok))
+        return DraftTree(torch.tensor(self.tok[:n], dtype=torch.long), torch.tensor(self.par[:n], dtype=torch.long),
+                         q=torch.stack(self.q[:n]), confidence=torch.tensor(self.score[:n]).exp(), children=children)
 
     def tree(self, total: int) -> DraftTree:
         """EAGLE-2's rerank: keep the ``total`` best nodes (select_nodes), topologically ordered by depth."""
@@ -108,3 +116,39 @@ def confidence_calibration(card: dict, temperature: float = 0.0) -> float:
     if not ev.get("conf_r0") or key not in ev:
         return 1.0
     return float(ev[key] / ev["conf_r0"])
+
+
+def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, pick, top_logq, keep_going=None) -> Pool:
+    """EAGLE-2's expansion with SAMPLED children, lossless by construction.
+
+    Verification (verify.py) is exact when every node's presence is decided before it is drawn — by its
+    ancestors, its rank among its siblings and the draft's distributions, never by its own identity or by
+    siblings drawn after it. EAGLE-2's rerank keeps a node by its own sampled score, which would bias the
+    tree toward lucky draws, so here: depth 0 = the root's first ``width`` draws; at each further depth the
+    ``width`` frontier nodes (all nodes of the previous depth, at most ``width``) are expanded, a node x's
+    rank-c child is worth score(x) + log q_c(x) (q_c = x's c-th largest draft probability: known before
+    drawing), the ``width`` best ranks are kept (a prefix of ranks per node) and that many children are drawn
+    from x's q (``pick``). ``top_logq(f, k)`` -> [F, k] sorted log q; ``pick(f, counts)`` -> per row
+    (ids, log q of the draws, q rows) as EagleRunner._pick. ``keep_going`` as grow_dynamic (it reads only
+    nodes drawn before the depth it decides)."""
+    pool = Pool()
+
+    def add_children(parents: list[int], f_rows: torch.Tensor, counts: list[int]) -> list[int]:
+        new = []
+        for j, (ids, lps, rows) in zip(parents, pick(f_rows, counts)):
+            base, dep = (pool.score[j], pool.dep[j] + 1) if j >= 0 else (0.0, 0)
+            new += [pool.add(t, j, base + lp, dep, rows[i]) for i, (t, lp) in enumerate(zip(ids, lps))]
+        return new
+
+    frontier = add_children([-1], f_root[None], [width])
+    for _ in range(1, depth):
+        if not frontier or (keep_going is not None and not keep_going(pool, frontier)):
+            break
+        f = expand(pool, frontier)  # [F, H]
+        v = top_logq(f, width).tolist()  # [F, width] sorted descending
+        cand = sorted(((pool.score[j] + v[r][c], r, c) for r, j in enumerate(frontier) for c in range(width)
+                       if v[r][c] > float("-inf")), key=lambda t: (-t[0], t[1], t[2]))[:width]
+        counts = [sum(1 for _, r2, _ in cand if r2 == r) for r in range(len(frontier))]
+        rows = [r for r in range(len(frontier)) if counts[r]]
+        frontier = add_children([frontier[r] for r in rows], f[rows], [counts[r] for r in rows])
+    return pool
