@@ -236,11 +236,17 @@ class EagleDrafter(EagleRunner):
             v.sort()
         tok, score, qrow, feat_of, slot = {}, {}, {}, {(): f_root}, {}
 
+        sampled = self._sampled()
+
         def assign(specs: list[tuple], f_rows: torch.Tensor) -> None:
-            for c, (ids, lps, rows) in zip(specs, self._pick(f_rows, [len(kids[c]) for c in specs])):
-                for j, x in enumerate(kids[c][:len(ids)]):
-                    tok[x], score[x] = ids[j], score.get(c, 0.0) + lps[j]
-                    qrow[x] = None if rows is None else rows[j]
+            # top picks: child (..., r) is the rank-r pick; draws: the j-th child (by rank) is the j-th draw
+            want = [len(kids[c]) if sampled else kids[c][-1][-1] + 1 for c in specs]
+            for c, (ids, lps, rows) in zip(specs, self._pick(f_rows, want)):
+                for j, x in enumerate(kids[c]):
+                    k = j if sampled else x[-1]
+                    if k < len(ids):
+                        tok[x], score[x] = ids[k], score.get(c, 0.0) + lps[k]
+                        qrow[x] = None if rows is None else rows[k]
 
         assign([()], f_root[None])
         n_tree = 0
@@ -257,7 +263,6 @@ class EagleDrafter(EagleRunner):
         keep = [c for c in self.nodes if c in tok]  # topological (the spec's order), closed under ancestors
         new = {c: i for i, c in enumerate(keep)}
         parents = torch.tensor([new[c[:-1]] if len(c) > 1 else -1 for c in keep], dtype=torch.long)
-        sampled = self._sampled()
         return DraftTree(torch.tensor([tok[c] for c in keep], dtype=torch.long), parents,
                          q=torch.stack([qrow[c] for c in keep]) if sampled else None,
                          confidence=torch.tensor([score[c] for c in keep]).exp(), children=self.rule if sampled else None)
