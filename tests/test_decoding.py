@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from specbook.decoding import generate, pad_left
 from specbook.sampling import SamplingConfig, make_generator
@@ -100,3 +101,27 @@ def test_real_model_sampling_reproducible(real):
     a = generate(model, ids, mask, max_new_tokens=24, sampling=cfg, generator=make_generator(11)).tokens
     b = generate(model, ids, mask, max_new_tokens=24, sampling=cfg, generator=make_generator(11)).tokens
     assert a == b
+
+
+def test_finished_rows_are_dropped_without_changing_any_row(tiny, monkeypatch):
+    """Twelve rows ending at different steps (several EOS ids): each row equals its free run cut at its first EOS,
+    while finished rows leave the batch (and its cache) along the way."""
+    from transformers import DynamicCache
+
+    drops = []
+    orig = DynamicCache.batch_select_indices
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", lambda self, idx: drops.append(len(idx)) or orig(self, idx))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 48, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(12)]
+    ids, mask = pad_left(prompts, pad_id=1)
+    free = generate(tiny, ids, mask, max_new_tokens=24, eos_token_id=-1).tokens
+    eos = sorted({r[k] for r in free for k in (2, 7)})[:4]  # tokens the rows hit early and late
+    res = generate(tiny, ids, mask, max_new_tokens=24, eos_token_id=eos)
+    ends = []
+    for full, row in zip(free, res.tokens):
+        cut = min([full.index(e) + 1 for e in eos if e in full] + [len(full)])
+        assert row == full[:cut]
+        ends.append(cut)
+    assert len(set(ends)) > 3 and min(ends) < 12  # rows really finished at different times, some early
+    assert drops and drops == sorted(drops, reverse=True)  # the batch shrank, more than once or at least once

@@ -171,7 +171,9 @@ def generate(
     """Plain autoregressive decoding. input_ids [B, L] (left-padded), attention_mask [B, L].
 
     Greedy when ``sampling.temperature == 0``; otherwise samples through ``generator``
-    (required, so every random number comes from an explicit source).
+    (required, so every random number comes from an explicit source). Rows that reached EOS are dropped
+    from the batch (and the KV cache) once a quarter of it has finished, so long batches do not keep
+    computing finished answers.
     """
     check_request(model, input_ids, max_new_tokens, sampling, generator)
     if attention_mask is None:
@@ -191,25 +193,30 @@ def generate(
     stats.prefill_time = time.perf_counter() - t0
     stats.target_forwards = 1
 
-    out = torch.empty((B, max_new_tokens), dtype=torch.long, device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else min(eos, default=0)
+    out = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=dev)
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=dev)
+    rows = torch.arange(B, device=dev)  # the original row of each row still in the batch
+    done = torch.zeros(B, dtype=torch.bool, device=dev)  # finished rows not yet dropped from the batch
     next_pos = pos[:, -1:] + 1  # [B, 1]
     mask = attention_mask
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else min(eos, default=0)
     eos_ids = torch.tensor(sorted(eos), dtype=torch.long, device=dev)
     for t in range(max_new_tokens):
-        # 2. record the token; rows that finished keep emitting padding (ignored)
+        # 2. record the token; finished rows keep emitting padding (ignored) until they are dropped
         next_tok = torch.where(done, torch.full_like(next_tok, pad), next_tok)
-        out[:, t] = next_tok
+        out[rows, t] = next_tok
         hit = torch.isin(next_tok, eos_ids) & ~done
-        lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+        lengths[rows[hit]] = t + 1
         done = done | hit
         if t == max_new_tokens - 1 or bool(done.all()):
             break
+        if int(done.sum()) * 4 >= len(rows):  # a quarter of the batch finished: drop those rows (and their cache)
+            keep = (~done).nonzero().flatten()
+            cache.batch_select_indices(keep)
+            rows, next_tok, next_pos, mask, done = rows[keep], next_tok[keep], next_pos[keep], mask[keep], done[keep]
         # 3. one decode forward over the new token
         t0 = time.perf_counter()
-        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=dev)], dim=1)
         o = model(input_ids=next_tok[:, None], attention_mask=mask, position_ids=next_pos,
                   past_key_values=cache, use_cache=True)
         next_tok = sample(probs_from(o.logits[:, -1, :], sampling), generator)
