@@ -274,6 +274,17 @@ def finalize(settings, items, answers: dict, out_dir: Path, fp: str, skipped: in
                                                           "command": cmd})
 
 
+def category_counts(index: np.ndarray, records: list[dict]) -> dict:
+    """{category: {records, prompt_tokens, response_tokens}} over (offset, prompt_len, response_len) rows."""
+    out: dict = {}
+    for (_, pl, rl), m in zip(index, records):
+        c = out.setdefault(m.get("category") or "?", {"records": 0, "prompt_tokens": 0, "response_tokens": 0})
+        c["records"] += 1
+        c["prompt_tokens"] += int(pl)
+        c["response_tokens"] += int(rl)
+    return dict(sorted(out.items()))
+
+
 def write_corpus(out_dir: Path, recs: list[tuple[list[int], list[int], dict]], *, vocab_size: int, target: str,
                  fingerprint: str, settings: dict, extra: dict | None = None) -> dict:
     """Write (prompt ids, response ids, meta) records as tokens/index/records + manifest (sha256 of each file)."""
@@ -296,6 +307,7 @@ def write_corpus(out_dir: Path, recs: list[tuple[list[int], list[int], dict]], *
     manifest = {
         "target": target, "target_fingerprint": fingerprint, "settings": settings, "records": len(index),
         "prompt_tokens": int(idx[:, 1].sum()), "response_tokens": int(idx[:, 2].sum()),
+        "categories": category_counts(idx, meta),
         "skipped_too_long": 0, "generation_seconds_this_run": 0.0, "machine": machine_info(),
         **(extra or {}),
         "files": {f: {"sha256": _sha(out_dir / f), "bytes": (out_dir / f).stat().st_size} for f in FILES},
@@ -404,9 +416,10 @@ def main(argv=None):
                            temperature=a.temperature, passes=a.passes, seed=a.seed)
         m = generate_corpus(s, Path(a.out), limit=a.limit)
     else:
-        m = load_corpus().manifest
+        c = load_corpus()
+        m = {**c.manifest, "categories": category_counts(c.index, c.records)}
     print(json.dumps({k: m[k] for k in ("records", "prompt_tokens", "response_tokens", "skipped_too_long",
-                                        "generation_seconds_this_run")}, indent=1))
+                                        "generation_seconds_this_run", "categories")}, indent=1))
 
 
 if __name__ == "__main__":
