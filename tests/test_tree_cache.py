@@ -3,6 +3,7 @@ import torch
 
 from specbook.cache import crop_to, keep_positions
 from specbook.decoding import new_cache
+from specbook.models import cache_kw
 from specbook.tree import ancestor_mask, block_inputs, depths, leaf_paths
 
 
@@ -51,7 +52,7 @@ def test_missing_parent_is_an_error():
 def _kv(model, ids):
     cache = new_cache(model)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **cache_kw(cache), use_cache=True)
     return cache
 
 
@@ -76,7 +77,7 @@ def test_tree_forward_and_path_compaction_equal_the_chain(tiny):
     mask, pos = block_inputs(parents, past)
     block = torch.cat([ctx[:, -1:], tokens[None]], dim=1)
     with torch.no_grad():
-        tree_logits = tiny(input_ids=block, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True).logits
+        tree_logits = tiny(input_ids=block, attention_mask=mask, position_ids=pos, **cache_kw(cache), use_cache=True).logits
     path = [0, 2, 5]
     chain = torch.cat([ctx, tokens[path][None]], dim=1)
     with torch.no_grad():

@@ -212,6 +212,22 @@ def hf_generate_kwargs(ctx: BenchContext, gen) -> dict:
     return kw
 
 
+class _hf_internal_warnings_off:
+    """transformers' assisted generation calls the assistant's own generate() with a config *and* keyword
+    arguments and then warns about that internal call; silence its logger for the timed call only."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self._level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(self._level)
+
+
 def _hf_new_tokens(out: torch.Tensor, prompt_len: int, eos: int) -> int:
     new = out[0, prompt_len:].tolist()
     return new.index(eos) + 1 if eos in new else len(new)
@@ -296,8 +312,9 @@ def _hf_assisted(ctx: BenchContext, ids, mask, gen) -> RunStats:
     draft.generation_config.num_assistant_tokens_schedule = "constant"  # same fixed gamma as ours
     draft.generation_config.assistant_confidence_threshold = 0.0  # no early exit: identical drafting policy
     _seed_global_rng(gen)
-    out, dt = _timed(lambda: ctx.model.generate(ids, attention_mask=mask, assistant_model=draft,
-                                                **hf_generate_kwargs(ctx, gen)))
+    with _hf_internal_warnings_off():
+        out, dt = _timed(lambda: ctx.model.generate(ids, attention_mask=mask, assistant_model=draft,
+                                                    **hf_generate_kwargs(ctx, gen)))
     return RunStats(_hf_new_tokens(out, ids.shape[1], ctx.tokenizer.eos_token_id), dt, None)
 
 

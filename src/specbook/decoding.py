@@ -16,7 +16,7 @@ from typing import Literal, get_args
 
 import torch
 
-from .models import sync
+from .models import cache_kw, sync
 from .sampling import SamplingConfig, probs_from, sample
 
 
@@ -153,7 +153,7 @@ def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache)
     """One forward over the prompts. Returns last-position logits [B, V] and position ids [B, L]."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # left padding: real tokens start at 0
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+                **cache_kw(cache), use_cache=True, logits_to_keep=1)
     return out.logits[:, -1, :], position_ids
 
 
@@ -218,7 +218,7 @@ def generate(
         t0 = time.perf_counter()
         mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=dev)], dim=1)
         o = model(input_ids=next_tok[:, None], attention_mask=mask, position_ids=next_pos,
-                  past_key_values=cache, use_cache=True)
+                  **cache_kw(cache), use_cache=True)
         next_tok = sample(probs_from(o.logits[:, -1, :], sampling), generator)
         next_pos = next_pos + 1
         sync(dev)
@@ -358,10 +358,10 @@ def _target_block(target, cache, root: int, draft, past: int, hidden: bool):
     block = torch.tensor([[root] + draft.tokens.tolist()], device=dev)
     if draft.is_chain:
         pos = torch.arange(past, past + len(draft) + 1, device=dev)[None]
-        return target(input_ids=block, position_ids=pos, past_key_values=cache, use_cache=True,
+        return target(input_ids=block, position_ids=pos, **cache_kw(cache), use_cache=True,
                       output_hidden_states=hidden)
     mask4d, pos = block_inputs(draft.parents.cpu(), past, dtype=target.dtype, device=dev)
-    return target(input_ids=block, attention_mask=mask4d, position_ids=pos, past_key_values=cache, use_cache=True,
+    return target(input_ids=block, attention_mask=mask4d, position_ids=pos, **cache_kw(cache), use_cache=True,
                   output_hidden_states=hidden)
 
 
@@ -373,12 +373,12 @@ def _start(target, input_ids: torch.Tensor, cache, sampling: SamplingConfig, gen
     sync(dev)
     t0 = time.perf_counter()
     if attention_mask is None:
-        out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+        out = target(input_ids=input_ids, **cache_kw(cache), use_cache=True, logits_to_keep=1,
                      output_hidden_states=hidden)
     else:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)  # left padding: real tokens start at 0
         out = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=cache, use_cache=True, logits_to_keep=1)
+                     **cache_kw(cache), use_cache=True, logits_to_keep=1)
     first = sample(probs_from(out.logits[:, -1, :], sampling), generator).tolist()
     sync(dev)
     stats.prefill_time = time.perf_counter() - t0
@@ -542,7 +542,7 @@ def speculative_generate_batch(
         # 2. one batched forward; finished rows still feed one harmless query (masked out afterwards)
         block, bmask, pos = _batch_block(drafts, [s.tokens[-1] for s in states], valid, pad, ctx)
         mask = torch.cat([mask, bmask.to(dev)], dim=1)
-        out = target(input_ids=block.to(dev), attention_mask=mask, position_ids=pos.to(dev), past_key_values=cache,
+        out = target(input_ids=block.to(dev), attention_mask=mask, position_ids=pos.to(dev), **cache_kw(cache),
                      use_cache=True)
         base = mask.shape[1] - block.shape[1]
         # 3. verify each row; 4. rejected and padded slots become holes; commit

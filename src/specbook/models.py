@@ -17,6 +17,7 @@ sha256 of every file and is checked on load, so a partial or corrupt cache is re
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -405,7 +406,8 @@ def load_model(
         )
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
+        with _quiet_loading():  # a 135M model loads in a second: no "Loading weights" bar in notebook outputs
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
     except OSError as e:
         if isinstance(path, str) and not Path(path).exists():
             raise ModelNotAvailable(
@@ -422,6 +424,38 @@ def load_model(
     if fp is not None:
         model.specbook_fingerprint = fp
     return model, tok
+
+
+class _quiet_loading:
+    """Hide transformers' weight-loading progress bar for one call, restoring the caller's setting after."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self._was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging as hf_logging
+
+        if self._was:
+            hf_logging.enable_progress_bar()
+
+
+@functools.cache
+def _cache_keyword() -> str:
+    """The forward() keyword that takes a KV cache: transformers renamed ``past_key_values`` to ``cache``
+    (the old name warns, and goes in 5.40); older 5.x releases only know ``past_key_values``."""
+    import inspect
+
+    from transformers import LlamaModel
+
+    return "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def cache_kw(cache) -> dict:
+    """``model(..., **cache_kw(cache))`` passes a KV cache under the keyword this transformers expects."""
+    return {_cache_keyword(): cache}
 
 
 def tiny_llama(vocab_size: int = 48, hidden_size: int = 32, layers: int = 2, seed: int = 0, **kw):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import sync
+from .models import cache_kw, sync
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: 
     g = generator or torch.Generator().manual_seed(0)
     ctx_ids = torch.randint(V, (batch, context), generator=g).to(dev)
     cache = new_cache(model)
-    model(input_ids=ctx_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ctx_ids, **cache_kw(cache), use_cache=True, logits_to_keep=1)
     out = {}
     for k in tqdm(list(ks), desc="latency(k)", disable=not progress):
         ids = torch.randint(V, (batch, k), generator=g).to(dev)
@@ -172,7 +172,7 @@ def profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: 
         for _ in range(repeats + 1):  # first run is a warm-up
             sync(dev)
             t = time.perf_counter()
-            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, position_ids=pos, **cache_kw(cache), use_cache=True)
             sync(dev)
             best = min(best, time.perf_counter() - t)
             crop_to(cache, context)

@@ -1,6 +1,18 @@
 """One module per method; each defines a Drafter (decoding.Drafter protocol)."""
 
 import torch
+from torch import nn
+
+
+class RMSNorm32(nn.RMSNorm):
+    """RMSNorm computed in fp32 and returned in the input's dtype (the target's own norm does the same).
+
+    A bf16 activation meeting an fp32 weight under autocast would otherwise fall off torch's fused kernel
+    with a warning; same parameters and state-dict names as ``nn.RMSNorm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else self.weight.float()
+        return nn.functional.rms_norm(x.float(), self.normalized_shape, w, self.eps).to(x.dtype)
 
 
 def with_vocab(state: dict, vocab: torch.Tensor | None) -> dict:

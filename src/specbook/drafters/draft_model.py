@@ -12,6 +12,7 @@ import torch
 
 from ..cache import crop_to
 from ..decoding import Drafter, SpecState, new_cache
+from ..models import cache_kw
 from ..sampling import probs_from, sample
 from ..verify import DraftTree
 from . import head_rows
@@ -68,7 +69,7 @@ class DraftModelDrafter(Drafter):
         for _ in range(self.gamma):
             ids = torch.tensor([pending], device=dev)
             pos = torch.arange(len(self.cached), len(self.cached) + len(pending), device=dev)[None]
-            out = self.model.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
+            out = self.model.model(input_ids=ids, position_ids=pos, **cache_kw(self.cache), use_cache=True)
             self.forwards += 1
             self.cached.extend(pending)
             logits = out.last_hidden_state[0, -1] @ self.head.T  # [V] or [Vd]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import RMSNorm32
 from .eagle.drafter import Eagle2Drafter
 from .eagle.head import _head_config
 
@@ -103,9 +104,9 @@ class Eagle3Layer(nn.Module):
         from transformers.models.llama.modeling_llama import LlamaMLP
 
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = nn.RMSNorm(H, eps=eps)
-        self.hidden_norm = nn.RMSNorm(H, eps=eps)
-        self.post_attention_layernorm = nn.RMSNorm(H, eps=eps)
+        self.input_layernorm = RMSNorm32(H, eps=eps)
+        self.hidden_norm = RMSNorm32(H, eps=eps)
+        self.post_attention_layernorm = RMSNorm32(H, eps=eps)
         self.self_attn = Eagle3Attention(cfg)
         self.mlp = LlamaMLP(cfg)
 
@@ -137,7 +138,7 @@ class Eagle3Head(nn.Module):
         self.taps = taps
         self.fc = nn.Linear(3 * H, H, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(self.config)])
-        self.norm = nn.RMSNorm(H, eps=self.config.rms_norm_eps)
+        self.norm = RMSNorm32(H, eps=self.config.rms_norm_eps)
         self.lm_head = nn.Linear(H, len(vocab), bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(self.config)
         d2t, t2d = vocab_maps(vocab, V)

@@ -38,7 +38,7 @@ from ..cache import crop_to
 from ..decoding import Drafter, SpecState
 from ..sampling import probs_from, sample
 from ..verify import DraftTree
-from . import head_rows, with_vocab
+from . import RMSNorm32, head_rows, with_vocab
 from .eagle.head import EagleHead
 
 
@@ -48,8 +48,8 @@ class MTPModule(nn.Module):
     def __init__(self, target_config):
         super().__init__()
         H, eps = target_config.hidden_size, getattr(target_config, "rms_norm_eps", 1e-6)
-        self.hnorm = nn.RMSNorm(H, eps=eps)
-        self.enorm = nn.RMSNorm(H, eps=eps)
+        self.hnorm = RMSNorm32(H, eps=eps)
+        self.enorm = RMSNorm32(H, eps=eps)
         self.block = EagleHead(target_config, bias=False, final_norm=False)  # block.fc is M_k
 
     def forward(self, h_prev: torch.Tensor, emb: torch.Tensor, position_ids=None, attention_mask=None, cache=None):

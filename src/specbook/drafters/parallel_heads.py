@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..decoding import Drafter, SpecState
+from ..models import cache_kw
 from ..sampling import probs_from, sample
 from ..verify import DraftTree
 
@@ -194,7 +195,7 @@ class SelfSpecDrafter(Drafter):
         toks, qs = [], []
         m = self.model
         for head, cache in zip(m.extra[:self.depth], self.caches):
-            h = head(inputs_embeds=z[None], position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state
+            h = head(inputs_embeds=z[None], position_ids=pos, **cache_kw(cache), use_cache=True).last_hidden_state
             self.forwards += 1
             q = probs_from(m.lm.lm_head(m.lm.model.norm(h[0, -1])), state.sampling)
             toks.append(int(q.argmax()) if state.sampling.greedy else int(sample(q, state.generator)))

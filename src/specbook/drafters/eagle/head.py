@@ -8,6 +8,7 @@ import copy
 import torch
 from torch import nn
 
+from ...models import cache_kw
 from ...tree import additive_mask
 
 
@@ -53,7 +54,7 @@ class EagleHead(nn.Module):
         if cache is not None and self.fast_path and position_ids is not None:
             return self._cached_llama(x, position_ids, attention_mask, cache)
         out = self.model(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
-                         past_key_values=cache, use_cache=cache is not None)
+                         **cache_kw(cache), use_cache=cache is not None)
         return out.last_hidden_state
 
     def _cached_llama(self, x: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache) -> torch.Tensor:
