@@ -87,6 +87,21 @@ def test_feature_cache_reuse_and_staleness(tiny_corpus, tiny_target, tmp_path):
     assert rebuilt.meta["corpus_sha"] == corpus.sha
 
 
+def test_narrower_request_reads_a_wider_store(tiny_corpus, tiny_target, tmp_path):
+    """EAGLE's (-1,) after EAGLE-3's (1, -1): the stored final state is viewed, the target is not run again; a layer
+    the wider store lacks still gets its own build."""
+    corpus, _ = tiny_corpus
+    wide = load_or_build(tiny_target, corpus, (1, -1), root=tmp_path / "feats", progress=False)
+    narrow = load_or_build(tiny_target, corpus, (-1,), root=tmp_path / "feats", progress=False)
+    assert narrow.path == wide.path and narrow.layers == (-1,)
+    off, n = int(corpus.index[1, 0]), int(corpus.index[1, 1] + corpus.index[1, 2])
+    assert torch.equal(narrow.rows(off, off + n)[:, 0], wide.rows(off, off + n)[:, 1])
+    narrow.check(narrow.meta["target_fingerprint"], corpus.sha, (-1,))
+    other = load_or_build(tiny_target, corpus, (0,), root=tmp_path / "feats", progress=False)
+    assert other.path != wide.path and other.layers == (0,)
+    assert len(list((tmp_path / "feats").glob("*/meta.json"))) == 2
+
+
 def _setup(tiny_target, corpus, tmp_path):
     store = load_or_build(tiny_target, corpus, (-1,), root=tmp_path / "feats", progress=False)
     return TrainData(corpus, store, seq_len=24, seed=0)

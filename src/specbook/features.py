@@ -41,19 +41,30 @@ def feature_key(fingerprint: str, corpus_sha: str, layers: tuple[int, ...]) -> s
 class FeatureStore:
     path: Path
     meta: dict
-    data: np.ndarray  # int16 view of bf16, [T, n_layers, H]
+    data: np.ndarray  # int16 view of bf16, [T, n_stored_layers, H]
+    cols: tuple[int, ...] | None = None  # a view of some stored layers (a store built for more layers), else all
 
     @property
     def layers(self) -> tuple[int, ...]:
-        return tuple(self.meta["layers"])
+        stored = tuple(self.meta["layers"])
+        return stored if self.cols is None else tuple(stored[c] for c in self.cols)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Features of corpus tokens [start, stop) -> bf16 tensor [stop - start, n_layers, H]."""
-        return torch.from_numpy(np.array(self.data[start:stop])).view(torch.bfloat16)
+        x = self.data[start:stop] if self.cols is None else self.data[start:stop][:, list(self.cols)]
+        return torch.from_numpy(np.array(x)).view(torch.bfloat16)
+
+    def select(self, layers: tuple[int, ...]) -> "FeatureStore":
+        """The same store restricted to ``layers`` (each must be stored), in that order."""
+        stored = list(self.meta["layers"])
+        missing = [x for x in layers if x not in stored]
+        if missing:
+            raise StaleFeatures(f"{self.path} holds layers {stored}, not {missing}")
+        return FeatureStore(self.path, self.meta, self.data, tuple(stored.index(x) for x in layers))
 
     def check(self, fingerprint: str, corpus_sha: str, layers: tuple[int, ...]) -> None:
         want = {"target_fingerprint": fingerprint, "corpus_sha": corpus_sha, "layers": list(layers)}
-        got = {k: self.meta.get(k) for k in want}
+        got = {**{k: self.meta.get(k) for k in want}, "layers": list(self.layers)}
         if got != want:
             raise StaleFeatures(f"feature cache {self.path} was built for {got}, not {want}; rebuild it "
                                 "(specbook.features.load_or_build does so automatically)")
@@ -145,4 +156,23 @@ def load_or_build(target, corpus: Corpus, layers: tuple[int, ...] = (-1,), root:
             return store
         except StaleFeatures:
             pass
+        wider = _wider_store(root, fp, corpus.sha, tuple(layers))
+        if wider is not None:
+            return wider
         return build(target, corpus, tuple(layers), path, progress=progress, **kw)
+
+
+def _wider_store(root: Path, fp: str, corpus_sha: str, layers: tuple[int, ...]) -> FeatureStore | None:
+    """A complete store of the same target and corpus that holds every requested layer (EAGLE's final state
+    is one of EAGLE-3's four), viewed as just those layers: no second pass of the target over the corpus."""
+    for meta_p in sorted(root.glob("*/meta.json")):
+        try:
+            meta = json.loads(meta_p.read_text())
+            if (meta.get("target_fingerprint"), meta.get("corpus_sha")) != (fp, corpus_sha):
+                continue
+            if not set(layers) <= set(meta.get("layers", [])):
+                continue
+            return open_store(meta_p.parent).select(layers)
+        except (StaleFeatures, ValueError, OSError):
+            continue
+    return None
