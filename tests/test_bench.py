@@ -108,3 +108,31 @@ def test_bench_auto_trees_record_what_they_measured(real):
         else:  # the step split: every step runs the heads (Medusa) or at least the head's catch-up (EAGLE)
             assert r["draft_ms_per_step"] > 0 and r["verify_ms_per_step"] > 0
             assert r["draft_forwards_per_step"] >= 1.0
+
+
+def test_variant_names_parse_and_refuse_clearly():
+    assert bench.parse_variant("eagle2") == ("eagle2", {})
+    assert bench.parse_variant("eagle2[children=iid]") == ("eagle2", {("eagle", "children"): "iid"})
+    # a bare field two groups have resolves to the method's own group; group.field always works
+    assert bench.parse_variant("eagle2[depth=6;top_k=4]") == ("eagle2", {("eagle", "depth"): 6, ("eagle", "top_k"): 4})
+    assert bench.parse_variant("mtp[depth=2]") == ("mtp", {("mtp", "depth"): 2})
+    assert bench.parse_variant("pld[lookup.k=1]") == ("pld", {("lookup", "k"): 1})
+    for bad, msg in [("sps[depth=6]", "ambiguous"), ("eagle2[nope=1]", "unknown"), ("nope[k=1]", "unknown method"),
+                     ("eagle2[children]", "key=value"), ("eagle2[", "bad method")]:
+        with pytest.raises(ValueError, match=msg):
+            bench.parse_variant(bad)
+    with pytest.raises(ValueError, match="children must be one of"):  # values are validated by the settings
+        bench._variant_ctx(bench.BenchContext(model=None, tokenizer=None, sampling=None, max_new_tokens=1),
+                           "eagle2[children=sorted]")
+
+
+@pytest.mark.slow
+def test_a_variant_runs_with_its_own_settings_in_the_same_run(real):
+    model, tok = real
+    res = bench.run_bench(["pld", "pld[k=1]"], load_prompts("eval", limit=1), max_new_tokens=12, model=model,
+                          tokenizer=tok, progress=False)
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"ar", "pld", "pld[k=1]"}
+    assert rows["pld[k=1]"]["tau"] <= 2.0  # one draft token per step at most: the override took effect
+    assert res["settings"]["variants"] == {"pld[k=1]": {"lookup.k": 1}}
+    assert res["settings"]["lookup"]["k"] == bench.LookupSettings().k  # the plain method keeps the run's settings

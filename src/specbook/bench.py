@@ -498,13 +498,73 @@ def _row(m: str, a: dict, base: float) -> dict:
             "seconds": round(a["seconds"], 3), **step_split(a)}
 
 
-def _interleaved(ctx: BenchContext, methods: list[str], prompts: list[dict], encoded: list, repeats: int, seed: int,
+# the Settings group each method reads (a variant's bare field name resolves to it first)
+SETTINGS_GROUP = {"sps": "sps", "sps_rv": "sps", "hf_assisted": "sps", "pld": "lookup", "hf_lookup": "lookup",
+                  "medusa": "medusa", "medusa_typical": "medusa", "eagle": "eagle", "eagle2": "eagle",
+                  "eagle3": "eagle", "eagle_chain": "eagle", "mtp": "mtp"}
+
+
+def parse_variant(name: str) -> tuple[str, dict[tuple[str, str], object]]:
+    """A method run with some settings changed, so two settings of one method meet in one run (interleaved, one
+    AR baseline): ``"eagle2[children=iid]"`` -> ``("eagle2", {("eagle", "children"): "iid"})``. A key is
+    ``group.field`` (a field of Settings' sps / lookup / medusa / eagle / mtp) or a field name only one group has;
+    several are separated by ``;``. Values: int, float, or the string as written."""
+    import dataclasses
+    import re
+
+    m = re.fullmatch(r"([A-Za-z0-9_]+)(?:\[(.*)\])?", name.strip())
+    if not m:
+        raise ValueError(f"bad method {name!r}: expected NAME or NAME[key=value;...]")
+    base, body = m.group(1), m.group(2)
+    if base not in METHODS:
+        raise ValueError(f"unknown method {base!r}; available: {sorted(METHODS)}")
+    groups = {f.name: {g.name for g in dataclasses.fields(f.default_factory())} for f in dataclasses.fields(Settings)}
+    out: dict[tuple[str, str], object] = {}
+    for item in filter(None, (body or "").split(";")):
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise ValueError(f"bad setting {item!r} in {name!r}: expected key=value")
+        grp, _, fld = key.strip().rpartition(".")
+        owners = [grp] if grp else [g for g, fs in groups.items() if fld in fs]
+        if len(owners) > 1 and SETTINGS_GROUP.get(base) in owners:  # eagle2[depth=6]: eagle2's own group
+            owners = [SETTINGS_GROUP[base]]
+        if len(owners) != 1 or owners[0] not in groups or fld not in groups[owners[0]]:
+            raise ValueError(f"setting {key!r} in {name!r} is " + ("ambiguous: write group.field, group one of "
+                             f"{sorted(owners)}" if len(owners) > 1 else
+                             f"unknown; groups and fields: { {g: sorted(fs) for g, fs in groups.items()} }"))
+        val: object = raw.strip()
+        for cast in (int, float):
+            try:
+                val = cast(raw)
+                break
+            except ValueError:
+                pass
+        out[owners[0], fld] = val
+    return base, out
+
+
+def _variant_ctx(ctx: BenchContext, name: str) -> tuple[MethodFn, BenchContext]:
+    """(method function, the context it runs in): a variant gets its own settings (validated) and its own
+    derived trees, and shares what is loaded."""
+    import dataclasses
+
+    base, over = parse_variant(name)
+    if not over:
+        return METHODS[base], ctx
+    settings = ctx.settings
+    for (grp, fld), val in over.items():
+        settings = dataclasses.replace(settings, **{grp: dataclasses.replace(getattr(settings, grp), **{fld: val})})
+    return METHODS[base], dataclasses.replace(ctx, settings=settings, trees={})
+
+
+def _interleaved(runners: dict, methods: list[str], prompts: list[dict], encoded: list, repeats: int, seed: int,
                  progress: bool) -> tuple[dict, dict, dict]:
     """For each repeat, for each prompt, every method in a rotating order (so no method always runs first).
-    -> totals per method, totals per (method, category), peak memory per method."""
+    ``runners``: method name -> (function, context). -> totals per method, per (method, category), peak memory."""
     from tqdm.auto import tqdm
 
     tot, cat, mem = defaultdict(_totals), defaultdict(_totals), {}
+    ctx = runners[methods[0]][1]
     dev = ctx.model.device
     bar = tqdm(total=repeats * len(prompts) * len(methods), desc="bench", disable=not progress)
     for r in range(repeats):
@@ -514,7 +574,8 @@ def _interleaved(ctx: BenchContext, methods: list[str], prompts: list[dict], enc
                 gen = None if ctx.sampling.greedy else torch.Generator().manual_seed(seed * 7919 + r * 104729 + i)
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
-                s = METHODS[m](ctx, ids, mask, gen)
+                fn, mctx = runners[m]
+                s = fn(mctx, ids, mask, gen)
                 mem[m] = max(mem.get(m, 0.0), _peak_mem_mb(dev))
                 _add(tot[m], s)
                 _add(cat[(m, p.get("category", ""))], s)
@@ -612,10 +673,21 @@ def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
                         "draft_cost_s": eagle_for(ctx)[3], "eagle2_calibration": eagle_calibration(ctx)}
         if "eagle" in ctx.trees:
             out["eagle"]["static_choices"] = [list(c) for c in ctx.trees["eagle"]]
+    if ctx.loaded.eagle3 is not None and "eagle3" in methods:
+        s = ctx.settings.eagle
+        out["eagle3"] = {"depth": s.depth, "top_k": s.top_k, "eagle2_total": s.eagle2_total, "children": s.children,
+                         "draft_cost_s": ctx.loaded.eagle3[2], "checkpoint_steps": ctx.loaded.eagle3[1].get("steps")}
+    if {"pld", "hf_lookup"} & set(methods):
+        out["lookup"] = {"k": ctx.settings.lookup.k, "ngram": ctx.settings.lookup.ngram}
     if ctx.loaded.mtp is not None and {"mtp", "eagle_chain"} & set(methods):
         out["mtp"] = {"depth": ctx.settings.mtp.depth, "chosen_depth": ctx.trees.get("mtp"),
                       "module_cost_s": ctx.loaded.mtp[3]}
     return out
+
+
+def parse_variant_base(name: str) -> str:
+    """The method a (possibly variant) name runs: ``"eagle2[children=iid]"`` -> ``"eagle2"``."""
+    return name.split("[", 1)[0].strip()
 
 
 def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smollm2-135m-instruct",
@@ -624,13 +696,16 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
               progress: bool = True, model=None, tokenizer=None, settings: Settings | None = None,
               loaded: Loaded | None = None) -> dict:
     """Run ``methods`` interleaved over ``prompts``; return the JSON-ready result. ``settings``: the methods'
-    configuration (default ``Settings()``); ``loaded``: drafters / measurements to reuse (``preload``)."""
+    configuration (default ``Settings()``); ``loaded``: drafters / measurements to reuse (``preload``). A method
+    may be a variant with some settings changed, e.g. ``"eagle2[children=iid]"`` (``parse_variant``)."""
+    import dataclasses
+
     from .decoding import encode
     from .models import load_model
 
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if parse_variant_base(m) not in METHODS]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; available: {sorted(METHODS)}")
+        raise ValueError(f"unknown method(s) {unknown}; available: {sorted(METHODS)} (a variant: NAME[key=value])")
     if "ar" not in methods:
         methods = ["ar", *methods]  # speedup needs the baseline from the same run
     if repeats < 1:
@@ -642,12 +717,12 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                        settings=settings or Settings(), loaded=loaded or Loaded())
     encoded = [encode(tokenizer, p["turns"][0], max_new_tokens=max_new_tokens,
                       max_length=int(model.config.max_position_embeddings), device=model.device) for p in prompts]
-    # warm-up: one short run of every method (allocations, thread pools, lazy state)
-    warm = BenchContext(model=model, tokenizer=tokenizer, sampling=sampling, max_new_tokens=8, settings=ctx.settings,
-                        loaded=ctx.loaded, trees=ctx.trees)
-    for m in methods:
-        METHODS[m](warm, *encoded[0], torch.Generator().manual_seed(seed) if not sampling.greedy else None)
-    tot, cat, mem = _interleaved(ctx, methods, prompts, encoded, repeats, seed, progress)
+    runners = {m: _variant_ctx(ctx, m) for m in methods}
+    # warm-up: one short run of every method (allocations, thread pools, lazy state; a variant's own trees)
+    for m, (fn, mctx) in runners.items():
+        fn(dataclasses.replace(mctx, max_new_tokens=8), *encoded[0],
+           torch.Generator().manual_seed(seed) if not sampling.greedy else None)
+    tot, cat, mem = _interleaved(runners, methods, prompts, encoded, repeats, seed, progress)
     base = tot["ar"]["new_tokens"] / tot["ar"]["seconds"]
     rows = [{**_row(m, tot[m], base), "peak_mem_mb": round(mem[m], 1)} for m in methods]
     by_cat = []
@@ -660,7 +735,9 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
         "settings": {"model": model_name, "dtype": str(model.dtype).replace("torch.", ""), "device": str(model.device),
                      "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
                      "repeats": repeats, "prompts": len(prompts), "seed": seed, "methods": methods,
-                     **settings_json(ctx, methods),
+                     **settings_json(ctx, [parse_variant(m)[0] for m in methods]),
+                     **({"variants": {m: {f"{g}.{f}": v for (g, f), v in parse_variant(m)[1].items()}
+                                      for m in methods if "[" in m}} if any("[" in m for m in methods) else {}),
                      "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)"},
         "rows": rows,
         "by_category": by_cat,
@@ -692,7 +769,9 @@ def main(argv=None):
     from .prompts import load_prompts
 
     ap = argparse.ArgumentParser(prog="python -m specbook.bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", default="ar,hf_generate", help=f"comma list; available: {','.join(sorted(METHODS))}")
+    ap.add_argument("--methods", default="ar,hf_generate",
+                    help=f"comma list; available: {','.join(sorted(METHODS))}; a variant with some settings changed: "
+                         "NAME[key=value;...], e.g. eagle2[children=iid]")
     ap.add_argument("--prompts", default="eval", help="'eval', 'train' or a Spec-Bench-format .jsonl path")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--per-category", type=int, default=0,

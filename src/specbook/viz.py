@@ -271,14 +271,18 @@ def medusa_widget(target, heads, vocab, acc, tokenizer, prompt: str, n_nodes: in
 def eagle_view(target, head, vocab, tokenizer, prompt: str, depth: int = 5, top_k: int = 4, total_tokens: int = 16,
                max_new_tokens: int = 32) -> tuple[object, dict]:
     """EAGLE-2's dynamic tree for ``prompt``: decode greedily with (depth, top_k, total_tokens) and draw the step
-    that accepted the most, node labels = token and draft confidence — the notebook 03 widget callback."""
+    that accepted the most, node labels = token and draft confidence — the notebook 03 widget callback (and
+    notebook 05's, given an EAGLE-3 head)."""
     import matplotlib.pyplot as plt
 
     from .decoding import encode, speculative_generate
     from .drafters.eagle import Eagle2Drafter
+    from .drafters.eagle3 import Eagle3Drafter, Eagle3Head
 
     total_tokens = max(total_tokens, depth)
-    drafter = Eagle2Drafter(target, head, vocab, depth=depth, top_k=top_k, total_tokens=total_tokens)
+    eagle3 = isinstance(head, Eagle3Head)  # an EAGLE-3 head carries its own draft vocabulary (vocab is ignored)
+    drafter = (Eagle3Drafter(target, head, depth=depth, top_k=top_k, total_tokens=total_tokens) if eagle3 else
+               Eagle2Drafter(target, head, vocab, depth=depth, top_k=top_k, total_tokens=total_tokens))
     ids, _ = encode(tokenizer, prompt, device=target.device)
     trace: list = []
     conf: list = []
@@ -299,7 +303,8 @@ def eagle_view(target, head, vocab, tokenizer, prompt: str, depth: int = 5, top_
         step = trace[i]
         labels = [f"{repr(tokenizer.decode([t]))[1:-1][:8]} {c:.2f}" for t, c in zip(step["draft"], conf[i])]
         plot_tree(ax, step["parents"], labels, highlight=step["path"])
-        ax.set_title(f"EAGLE-2 tree (depth {depth}, top_k {top_k}, {len(step['draft'])} nodes): the step that accepted "
+        name = "EAGLE-3" if eagle3 else "EAGLE-2"
+        ax.set_title(f"{name} tree (depth {depth}, top_k {top_k}, {len(step['draft'])} nodes): the step that accepted "
                      f"the most ({len(step['path'])}), accepted path in green; labels = token, draft confidence",
                      fontsize=9)
     info = {"depth": depth, "top_k": top_k, "total_tokens": total_tokens, "tau": round(s.tau, 2),
