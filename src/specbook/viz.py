@@ -203,7 +203,8 @@ def plot_tree(ax, parents, labels: list[str] | None = None, root_label: str = "r
                           ec="0.4"))
     ax.set_xlim(-0.6, max(d, default=0) + 1.6)
     ax.set_ylim(max(y.values()) + 0.8, -0.8)
-    ax.set_xticks(range(max(d, default=0) + 2), ["root"] + [f"depth {i}" for i in range(max(d, default=0) + 1)])
+    # one depth convention across the notebooks: the root (the last committed token) is depth 0
+    ax.set_xticks(range(max(d, default=0) + 2), ["root"] + [f"depth {i + 1}" for i in range(max(d, default=0) + 1)])
     ax.set_yticks([])
     for s in ("top", "right", "left"):
         ax.spines[s].set_visible(False)
@@ -216,7 +217,7 @@ def plot_tree_mask(ax, parents):
     from .tree import ancestor_mask
 
     m = ancestor_mask(torch.as_tensor(parents))
-    ax.imshow(~m, cmap="gray", interpolation="nearest")
+    ax.imshow(m, cmap="gray", vmin=0, vmax=1, interpolation="nearest")  # allowed = 1 = white
     n = m.shape[0]
     ax.set_xticks(range(n), ["r"] + [str(i) for i in range(n - 1)], fontsize=7)
     ax.set_yticks(range(n), ["r"] + [str(i) for i in range(n - 1)], fontsize=7)
