@@ -60,3 +60,24 @@ def test_notebook_markdown_has_no_project_history():
             if cell["cell_type"] == "markdown":
                 bad += [f"{nb.name} cell {i}: {m.group(0)!r}" for m in HISTORY.finditer("".join(cell["source"]))]
     assert not bad, bad
+
+
+def _executed(path, summary: dict):
+    import json
+
+    cell = {"cell_type": "code", "source": "", "metadata": {}, "execution_count": 1,
+            "outputs": [{"output_type": "stream", "name": "stdout", "text": report.TAG + json.dumps(summary) + "\n"}]}
+    path.write_text(json.dumps({"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+
+
+def test_tour_summary_never_calls_smoke_figures_results(tmp_path, capsys):
+    """The tour's summary of a --quick run (SPECBOOK_FAST=1) says its figures are a smoke run, not results;
+    a full-size run is labelled as such."""
+    _executed(tmp_path / "01_x.ipynb", {"notebook": "01_x", "fast": True, "tau": 9.9})
+    report.main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "Smoke-run summary" in out and "they are not results" in out and "Results summary" not in out
+    _executed(tmp_path / "01_x.ipynb", {"notebook": "01_x", "fast": False, "tau": 2.1})
+    report.main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "Results summary (full-size notebook runs)" in out and "Smoke" not in out

@@ -129,7 +129,13 @@ def main(argv=None):
     if not rows:
         print(f"no summaries found in {folder}")
         return
-    print("\nResults summary")
+    smoke = [r["notebook"] for r in rows if r.get("fast")]
+    if smoke:
+        print(f"\nSmoke-run summary (SPECBOOK_FAST=1 in {', '.join(smoke)}): one prompt, a few tokens — these figures "
+              "show each notebook ran, they are not results. Full-size: bash scripts/tour.sh (no --quick); measured "
+              "results: docs/RESULTS.md")
+    else:
+        print("\nResults summary (full-size notebook runs)")
     for r in rows:
         name = r.pop("notebook")
         print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in r.items()))
