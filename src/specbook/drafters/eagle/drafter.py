@@ -112,7 +112,15 @@ class EagleRunner(Drafter):
         if not self._sampled():
             v, i = torch.log_softmax(logits.float(), -1).topk(max(counts), -1)
             return [(self._ids(i[r, :c]), v[r, :c].tolist(), None) for r, c in enumerate(counts)]
-        q = probs_from(logits, self._sampling)  # [F, Vd] float32, the run's temperature / top-k / top-p
+        return self._draw_from(probs_from(logits, self._sampling), counts)
+
+    def _q(self, f: torch.Tensor) -> torch.Tensor:
+        """The draft's distribution at predicted features f [F, H] under the run's sampling config -> [F, Vd] f32."""
+        return probs_from(self._logits(f), self._sampling)
+
+    def _draw_from(self, q: torch.Tensor, counts: list[int]) -> list[tuple[list[int], list[float], torch.Tensor]]:
+        """``counts[r]`` children drawn from each row of q [F, Vd] by the rule -> per row (token ids, log q of the
+        draws, the q rows [k, V] they were drawn from)."""
         out = []
         for r, c in enumerate(counts):
             idx, rows = self._draw(q[r], c)
@@ -307,11 +315,6 @@ class Eagle2Drafter(EagleRunner):
         self.total_tokens, self.latency, self.max_auto, self.draft_cost = total_tokens, latency, max_auto, draft_cost
         self.calibration = float(calibration)
 
-    def _top_logq(self, f: torch.Tensor, k: int) -> torch.Tensor:
-        """[F, k] the k largest log q (the run's sampling config) of each expanded node: what its rank-c child is
-        worth before drawing (grow_sampled's keys)."""
-        return probs_from(self._logits(f), self._sampling).topk(k, -1).values.log()
-
     def _draft(self, f_root: torch.Tensor, start: int) -> DraftTree:
         out_feat: dict[int, torch.Tensor] = {-1: f_root}  # pool index -> its predicted feature (children's input)
         slot: dict[int, int] = {}  # pool index -> append order in the draft cache
@@ -346,7 +349,7 @@ class Eagle2Drafter(EagleRunner):
 
         stop = keep_going if auto and self.draft_cost is not None else None
         if self._sampled():
-            pool = grow_sampled(f_root, expand, self.depth, self.top_k, self._pick, self._top_logq, keep_going=stop)
+            pool = grow_sampled(f_root, expand, self.depth, self.top_k, self._q, self._draw_from, keep_going=stop)
             cap = self.max_auto if auto else self.total_tokens
             return pool.tree_in_order(cap, self.rule)
         pool = grow_dynamic(self._logp(f_root), lambda pool, fr: self._logp(expand(pool, fr)), self.depth, self.top_k,

@@ -118,7 +118,7 @@ def confidence_calibration(card: dict, temperature: float = 0.0) -> float:
     return float(ev[key] / ev["conf_r0"])
 
 
-def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, pick, top_logq, keep_going=None) -> Pool:
+def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, draw, keep_going=None) -> Pool:
     """EAGLE-2's expansion with SAMPLED children, lossless by construction.
 
     Verification (verify.py) is exact when every node's presence is decided before it is drawn — by its
@@ -128,27 +128,28 @@ def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, pick, top
     ``width`` frontier nodes (all nodes of the previous depth, at most ``width``) are expanded, a node x's
     rank-c child is worth score(x) + log q_c(x) (q_c = x's c-th largest draft probability: known before
     drawing), the ``width`` best ranks are kept (a prefix of ranks per node) and that many children are drawn
-    from x's q (``pick``). ``top_logq(f, k)`` -> [F, k] sorted log q; ``pick(f, counts)`` -> per row
-    (ids, log q of the draws, q rows) as EagleRunner._pick. ``keep_going`` as grow_dynamic (it reads only
-    nodes drawn before the depth it decides)."""
+    from x's q (``draw``). ``q_of(f)`` -> the draft's distributions [F, Vd] at predicted features f (computed
+    once per depth: the ranks' keys and the draws read the same q); ``draw(q, counts)`` -> per row (ids, log q of
+    the draws, q rows) as EagleRunner._draw_from. ``keep_going`` as grow_dynamic (it reads only nodes drawn
+    before the depth it decides)."""
     pool = Pool()
 
-    def add_children(parents: list[int], f_rows: torch.Tensor, counts: list[int]) -> list[int]:
+    def add_children(parents: list[int], q_rows: torch.Tensor, counts: list[int]) -> list[int]:
         new = []
-        for j, (ids, lps, rows) in zip(parents, pick(f_rows, counts)):
+        for j, (ids, lps, rows) in zip(parents, draw(q_rows, counts)):
             base, dep = (pool.score[j], pool.dep[j] + 1) if j >= 0 else (0.0, 0)
             new += [pool.add(t, j, base + lp, dep, rows[i]) for i, (t, lp) in enumerate(zip(ids, lps))]
         return new
 
-    frontier = add_children([-1], f_root[None], [width])
+    frontier = add_children([-1], q_of(f_root[None]), [width])
     for _ in range(1, depth):
         if not frontier or (keep_going is not None and not keep_going(pool, frontier)):
             break
-        f = expand(pool, frontier)  # [F, H]
-        v = top_logq(f, width).tolist()  # [F, width] sorted descending
+        q = q_of(expand(pool, frontier))  # [F, Vd]
+        v = q.topk(width, -1).values.log().tolist()  # [F, width] sorted descending
         cand = sorted(((pool.score[j] + v[r][c], r, c) for r, j in enumerate(frontier) for c in range(width)
                        if v[r][c] > float("-inf")), key=lambda t: (-t[0], t[1], t[2]))[:width]
         counts = [sum(1 for _, r2, _ in cand if r2 == r) for r in range(len(frontier))]
         rows = [r for r in range(len(frontier)) if counts[r]]
-        frontier = add_children([frontier[r] for r in rows], f[rows], [counts[r] for r in rows])
+        frontier = add_children([frontier[r] for r in rows], q[rows], [counts[r] for r in rows])
     return pool
