@@ -191,7 +191,7 @@ def load_exported_eagle3(target, path: str | Path):
     a directory whose config describes another computation or another target."""
     from safetensors.torch import load_file
 
-    from .drafters.eagle3 import Eagle3Head
+    from .drafters.eagle3 import head_from_state
 
     path = Path(path)
     try:
@@ -217,14 +217,7 @@ def load_exported_eagle3(target, path: str | Path):
     if emb is None or emb.shape != E.shape or not torch.equal(emb, E.detach().to(emb.dtype).cpu()):
         raise ExportError(f"{path}: embed_tokens.weight is missing or is not this target's embedding (exported for "
                           "another target?)")
-    d2t = st["d2t"]
-    head = Eagle3Head(target.config, torch.arange(len(d2t)) + d2t, tuple(ids))
-    missing, unexpected = head.load_state_dict(st, strict=False)
-    if unexpected or [k for k in missing if not k.startswith("rotary_emb")]:
-        raise ExportError(f"{path}: weights do not match an EAGLE-3 head (missing {missing[:3]}, unexpected "
-                          f"{unexpected[:3]})")
-    W = target.get_output_embeddings().weight
-    return head.to(device=W.device, dtype=W.dtype).eval(), cfg
+    return head_from_state(target, st, ids, path, ExportError), cfg
 
 
 def main(argv=None) -> None:

@@ -291,14 +291,18 @@ def load_eagle3(target, path) -> tuple[Eagle3Head, dict]:
                               f"{c.get('num_hidden_layers_target')} layers, not this target's {target.config.hidden_size} / {L}")
     if any(not 0 <= t <= L for t in c["taps"]):
         raise CheckpointError(f"{path} taps layers {c['taps']} but the target has {L}")
-    vocab = torch.arange(len(state["d2t"])) + state["d2t"]
-    head = Eagle3Head(target.config, vocab, tuple(c["taps"]))
+    return head_from_state(target, state, c["taps"], path, CheckpointError), card
+
+
+def head_from_state(target, state: dict, taps, where, error: type[Exception]) -> Eagle3Head:
+    """An Eagle3Head for ``target`` holding ``state`` (its vocabulary from ``d2t``), on the target's device and
+    dtype; ``error`` (naming ``where``) when the tensors are not an EAGLE-3 head's."""
+    head = Eagle3Head(target.config, torch.arange(len(state["d2t"])) + state["d2t"], tuple(taps))
     missing, unexpected = head.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not k.startswith("rotary_emb")]:
-        raise CheckpointError(f"{path}: weights do not match an EAGLE-3 head (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
+        raise error(f"{where}: weights do not match an EAGLE-3 head (missing {missing[:3]}, unexpected {unexpected[:3]})")
     W = target.get_output_embeddings().weight
-    return head.to(device=W.device, dtype=W.dtype).eval(), card
+    return head.to(device=W.device, dtype=W.dtype).eval()
 
 
 class Eagle3Drafter(Eagle2Drafter):
