@@ -46,6 +46,27 @@ def test_leviathan_formula():
         rl.expected_speedup(0.5, 2, -1)
 
 
+def test_speedup_with_a_measured_latency_curve():
+    """A flat latency curve is Leviathan's assumption (verification = one target step); a rising one charges the
+    verification forward: by hand at alpha 0.5, gamma 2 (E = 1.75), c 0.1, latency(3) = 1.5 x latency(1)."""
+    flat = {1: 0.02, 4: 0.02, 16: 0.02}
+    for a, g, c in ((0.5, 2, 0.1), (0.8, 5, 0.05), (0.9, 1, 0.0)):
+        assert rl.speedup_with_latency(a, g, c, flat) == pytest.approx(rl.expected_speedup(a, g, c))
+    rising = {1: 0.02, 2: 0.025, 4: 0.035}  # latency(3) = 0.03 by interpolation
+    assert rl.speedup_with_latency(0.5, 2, 0.1, rising) == pytest.approx(1.75 / (0.2 + 1.5))
+    with pytest.raises(ValueError, match="c must"):
+        rl.speedup_with_latency(0.5, 2, -0.1, flat)
+
+
+def test_optimal_gamma_grows_with_alpha_and_shrinks_with_cost():
+    assert rl.optimal_gamma(0.5, 0.1) < rl.optimal_gamma(0.9, 0.1)
+    assert rl.optimal_gamma(0.9, 0.5) < rl.optimal_gamma(0.9, 0.01)
+    best = rl.optimal_gamma(0.8, 0.1)
+    assert all(rl.expected_speedup(0.8, best, 0.1) >= rl.expected_speedup(0.8, g, 0.1) for g in range(1, 33))
+    steep = {1: 1.0, 2: 2.0, 64: 64.0}  # verification as dear as sequential steps: one draft token at most
+    assert rl.optimal_gamma(0.9, 0.1, steep) <= rl.optimal_gamma(0.9, 0.1)
+
+
 def test_datasheet_has_sources():
     for name in ("H100 SXM", "H200 SXM", "A100 80GB SXM", "L4", "RTX 4090"):
         acc = rl.DATASHEET[name]

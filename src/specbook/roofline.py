@@ -238,6 +238,24 @@ def expected_speedup(alpha: float, gamma: int, c: float) -> float:
     return expected_tokens_per_step(alpha, gamma) / (gamma * c + 1)
 
 
+def speedup_with_latency(alpha: float, gamma: int, c: float, latency: dict[int, float]) -> float:
+    """Leviathan's walltime improvement with the verification forward priced by a measured latency curve
+    {k: seconds} instead of one target step: E[tokens] / (gamma * c + latency(gamma + 1) / latency(1)).
+    A flat curve gives ``expected_speedup`` exactly."""
+    if c < 0:
+        raise ValueError(f"c must be >= 0, got {c}")
+    verify = interp_latency(latency, gamma + 1) / interp_latency(latency, 1)
+    return expected_tokens_per_step(alpha, gamma) / (gamma * c + verify)
+
+
+def optimal_gamma(alpha: float, c: float, latency: dict[int, float] | None = None, max_gamma: int = 32) -> int:
+    """The gamma in 1..max_gamma with the largest expected speedup (Leviathan's Fig. 3 when ``latency`` is None:
+    verification costs one target step; else priced by the measured curve)."""
+    f = (lambda g: expected_speedup(alpha, g, c)) if latency is None else \
+        (lambda g: speedup_with_latency(alpha, g, c, latency))
+    return max(range(1, max_gamma + 1), key=lambda g: (f(g), -g))
+
+
 # --------------------------------------------------------------------------- plots
 
 
