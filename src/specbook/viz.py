@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 
-from .roofline import expected_speedup, expected_tokens_per_step
+from .roofline import expected_speedup, expected_tokens_per_step, optimal_gamma
 
 
 def speedup_view(alpha: float = 0.7, gamma: int = 4, c: float = 0.1, ax=None, max_gamma: int = 12) -> str:
@@ -33,7 +33,7 @@ def speedup_view(alpha: float = 0.7, gamma: int = 4, c: float = 0.1, ax=None, ma
     ax.set_ylabel("expected speedup")
     ax.set_title(f"c = T_draft / T_target = {c:.2f}")
     ax.legend(fontsize=8)
-    best = max(gs[1:], key=lambda g: expected_speedup(alpha, g, c))
+    best = optimal_gamma(alpha, c, max_gamma=max_gamma)
     return (f"alpha={alpha:.2f} gamma={gamma} c={c:.2f}: E[tokens/step]={expected_tokens_per_step(alpha, gamma):.2f}, "
             f"expected speedup={here:.2f}x (best gamma for this alpha, c: {best}, {expected_speedup(alpha, best, c):.2f}x)")
 
