@@ -136,3 +136,14 @@ def test_a_variant_runs_with_its_own_settings_in_the_same_run(real):
     assert rows["pld[k=1]"]["tau"] <= 2.0  # one draft token per step at most: the override took effect
     assert res["settings"]["variants"] == {"pld[k=1]": {"lookup.k": 1}}
     assert res["settings"]["lookup"]["k"] == bench.LookupSettings().k  # the plain method keeps the run's settings
+
+
+def test_block_settings_validate_and_variants_reach_them():
+    from specbook.bench import BlockSettings, parse_variant
+
+    assert parse_variant("dspark[threshold=0.5;gamma=3]") == ("dspark", {("block", "threshold"): 0.5,
+                                                                         ("block", "gamma"): 3})
+    assert parse_variant("dflash[gamma=4]") == ("dflash", {("block", "gamma"): 4})
+    for bad in ({"gamma": 0}, {"threshold": 1.5}, {"threshold": "high"}, {"threshold": None}):
+        with pytest.raises(ValueError, match="gamma|threshold"):
+            BlockSettings(**bad)

@@ -11,6 +11,7 @@ import torch
 
 from specbook import verify as V
 from specbook.decoding import Drafter, SpecState
+from specbook.drafters.dflash import BlockDrafter, BlockNet
 from specbook.drafters.draft_model import DraftModelDrafter
 from specbook.drafters.eagle import Eagle2Drafter, EagleDrafter, EagleHead
 from specbook.drafters.eagle3 import Eagle3Drafter, Eagle3Head
@@ -99,6 +100,30 @@ def _eagle3_head(target):
     return head.eval()
 
 
+def _block_net(target, rank=0, seed=4, noise=0.1):
+    """A 2-token block drafter, small weights: its q is far enough from the target's p that a planted bug shows."""
+    torch.manual_seed(0)
+    net = BlockNet(target.config, torch.tensor([0, 2, 3]), gamma=2, layers=1, taps=(1,), markov_rank=rank,
+                   confidence=bool(rank))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    return net.eval()
+
+
+def _peeking(propose):
+    """The planted bug of a truncation rule: the draft is cut at the first token that is not the draft's own top
+    choice — a decision that reads x_k, so the kept tokens are no longer draws from q."""
+
+    def wrapped(self, state):
+        d = propose(self, state)
+        n = next((i for i in range(len(d)) if int(d.q[i].argmax()) != int(d.tokens[i])), len(d))
+        return DraftTree.chain(d.tokens[:n], d.q[:n])
+
+    return wrapped
+
+
 DRAFTERS = {
     "sps_chain": lambda t: DraftModelDrafter(tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=5), gamma=2),
     "sps_gamma1": lambda t: DraftModelDrafter(tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=4), gamma=1),
@@ -118,10 +143,13 @@ DRAFTERS = {
     "eagle_dynamic_iid": lambda t: Eagle2Drafter(t, _eagle_head(t), depth=2, top_k=2, total_tokens=4, children="iid"),
     "mtp": lambda t: MTPDrafter(t, _mtp_modules(t)),
     "eagle3": lambda t: Eagle3Drafter(t, _eagle3_head(t), depth=2, top_k=2, total_tokens=4),
+    "dflash": lambda t: BlockDrafter(t, _block_net(t)),
+    # a static survival threshold that cuts most blocks to 1 of their 2 tokens
+    "dspark": lambda t: BlockDrafter(t, _block_net(t, rank=4, seed=1, noise=0.05), threshold=0.25),
 }
 
 
-CORE = ["sps_chain", "iid_tree", "onehot_tree", "medusa", "eagle_static", "eagle_dynamic", "mtp", "eagle3",
+CORE = ["sps_chain", "iid_tree", "onehot_tree", "medusa", "eagle_static", "eagle_dynamic", "mtp", "eagle3", "dspark",
         "eagle_static_noreplace", "eagle_dynamic_noreplace"]
 CASES = [(kind, cfg) for kind in CORE for cfg in CONFIGS] + \
     [(kind, "T1") for kind in DRAFTERS if kind not in CORE]  # variants of a core path: T = 1 only
@@ -154,6 +182,10 @@ BROKEN = {
     "eagle3": ("rejected one-hot pick not removed from p", lambda mp: mp.setattr(V, "residual_one_hot", lambda p, x: p)),
     "mtp": ("correction sampled from p instead of the residual norm(max(0, p - q))",
             lambda mp: mp.setattr(V, "residual", lambda p, q: p)),
+    "dflash": ("correction sampled from p instead of the residual norm(max(0, p - q))",
+               lambda mp: mp.setattr(V, "residual", lambda p, q: p)),
+    "dspark": ("the block cut after seeing the drafted token (at the first non-argmax draw) instead of before drawing it",
+               lambda mp: mp.setattr(BlockDrafter, "propose", _peeking(BlockDrafter.propose))),
 }
 
 

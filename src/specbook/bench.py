@@ -133,6 +133,24 @@ class MtpSettings:
 
 
 @dataclass(frozen=True)
+class BlockSettings:
+    """dflash / dspark: ``gamma`` draft tokens per block (<= the block trained); dspark's ``threshold``: a calibrated
+    survival h in [0, 1] (cut before the first position below it: DeepSpec's static rule) or "auto" = keep a
+    position while it raises the expected tokens per second of this run's latency curve (drafters.dflash)."""
+
+    gamma: int = 7
+    threshold: float | str = "auto"
+
+    def __post_init__(self):
+        from .drafters.dflash import check_gamma, check_threshold
+
+        check_gamma(self.gamma)
+        if self.threshold is None:
+            raise ValueError("dspark threshold must be a number in [0, 1] or 'auto' (dflash is the full block)")
+        check_threshold(self.threshold)
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every method's configuration for one bench run (recorded in the JSON)."""
 
@@ -141,6 +159,7 @@ class Settings:
     medusa: MedusaSettings = field(default_factory=MedusaSettings)
     eagle: EagleSettings = field(default_factory=EagleSettings)
     mtp: MtpSettings = field(default_factory=MtpSettings)
+    block: BlockSettings = field(default_factory=BlockSettings)
 
 
 @dataclass
@@ -155,6 +174,8 @@ class Loaded:
     eagle: tuple | None = None  # (head, vocab, card, measured draft cost in seconds)
     mtp: tuple | None = None  # (modules, vocab, card, measured cost of one module forward in seconds)
     eagle3: tuple | None = None  # (head, card, measured draft cost in seconds)
+    dflash: tuple | None = None  # (net, card, measured cost of one block forward in seconds)
+    dspark: tuple | None = None  # (net, card, measured cost of one block forward in seconds)
     toy: object = None  # a parallel_heads.ToyMTP whose ``lm`` is the run's model (self_spec)
 
 
@@ -417,7 +438,8 @@ def preload(model, tokenizer, methods: tuple[str, ...] = ("eagle",)) -> Loaded:
     ctx = BenchContext(model=model, tokenizer=tokenizer, sampling=SamplingConfig(), max_new_tokens=1)
     for m in methods:
         {"eagle": eagle_for, "eagle2": eagle_for, "medusa": medusa_for, "sps": draft_model_for, "mtp": mtp_for,
-         "eagle3": eagle3_for}[m](ctx)
+         "eagle3": eagle3_for, "dflash": lambda c: block_for(c, "dflash"),
+         "dspark": lambda c: block_for(c, "dspark")}[m](ctx)
     return ctx.loaded
 
 
@@ -501,13 +523,13 @@ def _row(m: str, a: dict, base: float) -> dict:
 # the Settings group each method reads (a variant's bare field name resolves to it first)
 SETTINGS_GROUP = {"sps": "sps", "sps_rv": "sps", "hf_assisted": "sps", "pld": "lookup", "hf_lookup": "lookup",
                   "medusa": "medusa", "medusa_typical": "medusa", "eagle": "eagle", "eagle2": "eagle",
-                  "eagle3": "eagle", "eagle_chain": "eagle", "mtp": "mtp"}
+                  "eagle3": "eagle", "eagle_chain": "eagle", "mtp": "mtp", "dflash": "block", "dspark": "block"}
 
 
 def parse_variant(name: str) -> tuple[str, dict[tuple[str, str], object]]:
     """A method run with some settings changed, so two settings of one method meet in one run (interleaved, one
     AR baseline): ``"eagle2[children=iid]"`` -> ``("eagle2", {("eagle", "children"): "iid"})``. A key is
-    ``group.field`` (a field of Settings' sps / lookup / medusa / eagle / mtp) or a field name only one group has;
+    ``group.field`` (a field of Settings' sps / lookup / medusa / eagle / mtp / block) or a field name only one group has;
     several are separated by ``;``. Values: int, float, or the string as written."""
     import dataclasses
     import re
@@ -659,6 +681,41 @@ def _eagle_chain(ctx: BenchContext, ids, mask, gen) -> RunStats:
     return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=chain_choices(mtp_for(ctx)[4])), gen)
 
 
+# ---------------------------------------------------------------- DFlash / DSpark
+
+
+def block_for(ctx: BenchContext, kind: str):
+    """The committed DFlash or DSpark network, its card and one block forward's measured cost."""
+    if getattr(ctx.loaded, kind) is None:
+        from .drafters.dflash import load_block, measure_draft_cost
+        from .train import CKPT_DIR
+
+        net, card = load_block(ctx.model, CKPT_DIR / kind, kind)
+        setattr(ctx.loaded, kind, (net, card, measure_draft_cost(ctx.model, net)))
+    return getattr(ctx.loaded, kind)
+
+
+@method("dflash", "DFlash block drafter (data/checkpoints/dflash): gamma tokens in one parallel forward, lossless chain")
+def _dflash(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.dflash import BlockDrafter
+
+    net, _, _ = block_for(ctx, "dflash")
+    return _spec(ctx, ids, BlockDrafter(ctx.model, net, gamma=ctx.settings.block.gamma), gen)
+
+
+@method("dspark", "DSpark (data/checkpoints/dspark): DFlash + Markov head, the block cut by the calibrated survival "
+                  "(block threshold), lossless chain")
+def _dspark(ctx: BenchContext, ids, mask, gen) -> RunStats:
+    from .drafters.dflash import BlockDrafter
+
+    net, card, cost = block_for(ctx, "dspark")
+    s = ctx.settings.block
+    drafter = BlockDrafter(ctx.model, net, gamma=s.gamma, threshold=s.threshold,
+                           temperatures=card.get("calibration", {}).get("temperatures"),
+                           latency=latency_for(ctx) if s.threshold == "auto" else None, draft_cost=cost)
+    return _spec(ctx, ids, drafter, gen)
+
+
 def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
     """What a run used, beyond its arguments: method settings and what the "auto" sizes measured."""
     out = {"gamma": ctx.settings.sps.gamma}
@@ -682,6 +739,12 @@ def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
     if ctx.loaded.mtp is not None and {"mtp", "eagle_chain"} & set(methods):
         out["mtp"] = {"depth": ctx.settings.mtp.depth, "chosen_depth": ctx.trees.get("mtp"),
                       "module_cost_s": ctx.loaded.mtp[3]}
+    for kind in ("dflash", "dspark"):
+        if getattr(ctx.loaded, kind) is not None and kind in {parse_variant_base(m) for m in methods}:
+            net, card, cost = getattr(ctx.loaded, kind)
+            out[kind] = {"gamma": ctx.settings.block.gamma, "block_cost_s": cost, "checkpoint_steps": card.get("steps")}
+            if kind == "dspark":
+                out[kind]["threshold"] = ctx.settings.block.threshold
     return out
 
 

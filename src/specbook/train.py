@@ -5,6 +5,8 @@
     python -m specbook.train eagle [--vocab 8192 --noise 0.1 ...]
     python -m specbook.train mtp [--modules 3 --vocab 8192 ...]
     python -m specbook.train eagle3 [--vocab 8192 --ttt-steps 7 ...]
+    python -m specbook.train dflash [--vocab 8192 --gamma 7 --draft-layers 2 ...]
+    python -m specbook.train dspark [--vocab 8192 --gamma 7 --draft-layers 2 ...]
 
 Reads the committed self-distilled corpus (data/corpus), builds/reuses the target's feature
 cache, trains, and writes ``data/checkpoints/<method>.{safetensors,json}`` — but only replaces an
@@ -44,6 +46,16 @@ def _eagle3_layers(config) -> tuple[int, ...]:
     return (*default_taps(config.num_hidden_layers), -1)  # the three taps, then the final state (the teacher)
 
 
+def _dflash_layers(config) -> tuple[int, ...]:
+    from .drafters.dflash import default_taps
+
+    return (*default_taps(config.num_hidden_layers), -1)  # DFlash's taps, then the final state (the teacher)
+
+
+def _block_kwargs(args, corpus) -> dict:
+    return {"vocab": _head_vocab(args, corpus), "gamma": args.gamma, "layers": args.draft_layers}
+
+
 @dataclass(frozen=True)
 class Method:
     """A trainable drafter: its objective class ("module:Class", imported on use), the target layers its
@@ -75,6 +87,8 @@ METHODS = {
                   lambda a, c: {"depth": a.modules, "vocab": _head_vocab(a, c)}),
     "eagle3": Method("specbook.drafters.eagle3:Eagle3Objective", _eagle3_layers, "mean_acc",
                      lambda a, c: {"vocab": _head_vocab(a, c), "ttt_steps": a.ttt_steps}),
+    "dflash": Method("specbook.drafters.dflash:DFlashObjective", _dflash_layers, "tau0", _block_kwargs),
+    "dspark": Method("specbook.drafters.dflash:DSparkObjective", _dflash_layers, "tau0", _block_kwargs),
 }
 
 
@@ -111,10 +125,11 @@ def run(method: str, args) -> dict:
     run_dir = cache_dir() / "runs" / f"{method}-{fingerprint(target)}-{corpus.sha}-{cfg_key}"
     res = train(obj, data, cfg, run_dir=run_dir, resume=not args.fresh)
     final = res.evals[-1]
+    extra = obj.finalize(data) if hasattr(obj, "finalize") else {}  # e.g. DSpark's calibration
     card = {
         "kind": method, "config": obj.card_config(), "target": args.target, "target_fingerprint": fingerprint(target),
         "corpus_sha": corpus.sha, "corpus_records": len(corpus), "train_config": asdict(cfg), "steps": res.steps,
-        "heldout": final,
+        "heldout": final, **extra,
         "evals": res.evals, "loss_curve": [h for h in res.history if h["step"] % 10 == 0 or h["step"] == 1],
         "train_seconds": round(res.seconds, 1), "machine": machine_info(),
         "command": "python -m specbook.train " + " ".join(sys.argv[1:]),
@@ -130,7 +145,7 @@ def run(method: str, args) -> dict:
         except Exception as e:  # a broken old checkpoint is replaced
             print(f"[train] replacing unreadable checkpoint: {e}")
     save_checkpoint(out, obj.state(), card)
-    shown = {k: v for k, v in final.items() if not k.startswith("acc_")}  # (rank histograms stay in the card)
+    shown = {k: v for k, v in final.items() if not k.startswith(("acc_", "soft_", "surv_"))}  # the rest: in the card
     print(f"[train] wrote {out}.safetensors  held-out: " + " ".join(f"{k}={v:.4f}" for k, v in shown.items()))
     return card
 
@@ -179,8 +194,10 @@ def main(argv=None):
     ap.add_argument("--noise", type=float, default=0.1, help="eagle: uniform noise amplitude on input features")
     ap.add_argument("--modules", type=int, default=3, help="mtp: number of sequential MTP modules D")
     ap.add_argument("--ttt-steps", type=int, default=7, help="eagle3: draft steps unrolled by the training-time test")
+    ap.add_argument("--gamma", type=int, default=7, help="dflash / dspark: draft tokens per block")
+    ap.add_argument("--draft-layers", type=int, default=2, help="dflash / dspark: decoder layers of the drafter")
     ap.add_argument("--vocab", type=int, default=8192,
-                    help="medusa / eagle / mtp / eagle3: head vocabulary = the N most frequent corpus tokens "
+                    help="medusa / eagle / mtp / eagle3 / dflash / dspark: head vocabulary = the N most frequent corpus tokens "
                          "(0 = full vocabulary)")
     ap.add_argument("--out", default=None, help="checkpoint path without suffix (default data/checkpoints/METHOD)")
     ap.add_argument("--force", action="store_true", help="replace the checkpoint even if held-out acceptance is worse")

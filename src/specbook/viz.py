@@ -362,3 +362,79 @@ def mtp_widget(target, modules, vocab, tokenizer, prompt: str, depth: int = 3, t
          "temperature": w.FloatSlider(value=temperature, min=0.0, max=1.5, step=0.1, description="temperature")},
         lambda depth, temperature: mtp_view(target, modules, vocab, tokenizer, prompt, depth, temperature,
                                             max_new_tokens)[0])
+
+
+# --------------------------------------------------------------------------- DFlash / DSpark (notebook 06)
+
+
+def plot_block_mask(ax, anchors, S: int, gamma: int):
+    """Training's block attention (drafters.dflash.block_mask) for blocks at ``anchors`` in a window of S positions:
+    rows = block queries, columns = the window's context keys then the blocks' own keys; white = may attend."""
+    import torch
+
+    from .drafters.dflash import block_mask
+
+    m = block_mask(torch.as_tensor(anchors), S, gamma)
+    ax.imshow(m.numpy(), cmap="gray", vmin=0, vmax=1, interpolation="nearest", aspect="auto")
+    ax.axvline(S - 0.5, color="C1", lw=1.5)
+    n = gamma + 1
+    for b in range(1, len(anchors)):
+        ax.axhline(b * n - 0.5, color="C0", lw=0.8)
+    ax.set_yticks([b * n for b in range(len(anchors))], [f"anchor {int(a)}" for a in anchors], fontsize=7)
+    ax.set_xticks([0, S - 1, S, S + len(anchors) * n - 1], ["0", str(S - 1), "block keys", ""], fontsize=7)
+    ax.set_xlabel("keys: context positions (features injected as K/V) | block positions")
+    ax.set_title("block attention in training (white = may attend)", fontsize=9)
+
+
+def cut_steps(steps: list[dict], threshold: float) -> dict:
+    """What a static survival threshold would have done to full-block steps: each step {"tokens", "survival"
+    (a_1..a_g), "accepted" (how many the target accepted)} -> kept / wasted (verified, rejected) / lost (cut, but
+    the target would have accepted them) token counts, and per step the cut position."""
+    cuts, kept, wasted, lost = [], 0, 0, 0
+    for s in steps:
+        a, n_acc = s["survival"], s["accepted"]
+        cut = next((k for k, x in enumerate(a) if x < threshold), len(a))
+        cuts.append(cut)
+        kept += min(cut, n_acc)
+        wasted += max(0, cut - n_acc)
+        lost += max(0, n_acc - cut)
+    return {"cuts": cuts, "kept": kept, "wasted": wasted, "lost": lost, "verified": sum(cuts)}
+
+
+def dspark_cut_view(steps: list[dict], tokenizer, threshold: float = 0.3, max_steps: int = 12):
+    """The notebook 06 widget callback: the first ``max_steps`` full-block DSpark steps as rows of gamma cells
+    (green = accepted by the target, red = verified and rejected, white = never reached after a rejection);
+    cells at or after the threshold's cut are hatched (not verified), each cell labelled with its token and
+    calibrated survival a_k. -> (figure, counts over every step)."""
+    import matplotlib.pyplot as plt
+
+    info = cut_steps(steps, threshold)
+    shown = steps[:max_steps]
+    g = max((len(s["tokens"]) for s in shown), default=1)
+    fig, ax = plt.subplots(figsize=(min(2 + 1.25 * g, 13), 0.42 * len(shown) + 1.1))
+    for r, (s, cut) in enumerate(zip(shown, info["cuts"])):
+        for k, t in enumerate(s["tokens"]):
+            color = "#9be39b" if k < s["accepted"] else "#f4a3a3" if k == s["accepted"] else "white"
+            ax.add_patch(plt.Rectangle((k, -r), 0.95, 0.9, fc=color, ec="k", lw=0.4,
+                                       hatch="///" if k >= cut else None))
+            word = tokenizer.decode([t]).replace("\n", "\\n")[:8] if tokenizer is not None else str(t)
+            ax.text(k + 0.47, -r + 0.45, f"{word}\n{s['survival'][k]:.2f}", ha="center", va="center", fontsize=6)
+    ax.set_xlim(-0.1, g + 0.1)
+    ax.set_ylim(-len(shown) + 0.8, 1.0)
+    ax.set_xticks([k + 0.47 for k in range(g)], [str(k + 1) for k in range(g)])
+    ax.set_yticks([])
+    ax.set_xlabel("block position k (label: token, calibrated survival a_k)")
+    ax.set_title(f"threshold {threshold:.2f}: hatched = cut (not verified). All steps: {info['kept']} accepted "
+                 f"tokens kept, {info['wasted']} verified slots wasted, {info['lost']} accepted tokens cut",
+                 fontsize=9)
+    plt.tight_layout()
+    return fig, {k: v for k, v in info.items() if k != "cuts"}
+
+
+def dspark_widget(steps: list[dict], tokenizer, threshold: float = 0.3):
+    """A threshold slider over ``dspark_cut_view`` (the decode is recorded once; the slider re-cuts it)."""
+    import ipywidgets as w
+
+    return slider_widget({"threshold": w.FloatSlider(value=threshold, min=0.0, max=1.0, step=0.05,
+                                                     description="threshold")},
+                         lambda threshold: dspark_cut_view(steps, tokenizer, threshold))
