@@ -60,7 +60,7 @@ from ..sampling import probs_from, sample
 from ..verify import DraftTree
 from . import RMSNorm32
 from .eagle.head import _head_config
-from .eagle3 import _rotate_half
+from .eagle3 import Eagle3Attention, _rotate_half
 
 POSITION_DECAY = 4.0  # w_k = exp(-(k - 1) / 4)
 
@@ -90,18 +90,11 @@ def check_threshold(threshold):
     return float(threshold)
 
 
-class BlockAttention(nn.Module):
+class BlockAttention(Eagle3Attention):
     """Llama attention (GQA, rotary) whose keys / values are [context ; block] and whose queries are the block's."""
 
     def __init__(self, cfg):
-        super().__init__()
-        H, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-        self.hd = getattr(cfg, "head_dim", None) or H // nh
-        self.nh, self.nkv, self.scale = nh, nkv, self.hd ** -0.5
-        self.q_proj = nn.Linear(H, nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(H, nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(H, nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(nh * self.hd, H, bias=False)
+        super().__init__(cfg, in_width=cfg.hidden_size)
 
     def _heads(self, x, n):  # [B, S, n * hd] -> [B, n, S, hd]
         B, S, _ = x.shape
@@ -122,8 +115,7 @@ class BlockAttention(nn.Module):
         k, v = torch.cat([ctx_kv[0], k], 2), torch.cat([ctx_kv[1], v], 2)
         o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                        enable_gqa=self.nkv != self.nh)
-        B, _, Q, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+        return self.out(o)
 
 
 class BlockLayer(nn.Module):

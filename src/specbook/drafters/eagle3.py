@@ -56,16 +56,18 @@ def _rotate_half(x):
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention whose q / k / v read 2H features; GQA; the training-time-test pattern in ``ttt``."""
+    """Llama attention whose q / k / v read 2H features (``in_width``: DFlash's block attention reads H); GQA;
+    the training-time-test pattern in ``ttt``."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, in_width: int | None = None):
         super().__init__()
         H, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        W = 2 * H if in_width is None else in_width
         self.hd = getattr(cfg, "head_dim", None) or H // nh
         self.nh, self.nkv, self.scale = nh, nkv, self.hd ** -0.5
-        self.q_proj = nn.Linear(2 * H, nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(2 * H, nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(2 * H, nkv * self.hd, bias=False)
+        self.q_proj = nn.Linear(W, nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(W, nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(W, nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(nh * self.hd, H, bias=False)
 
     def qkv(self, x, cos, sin):
