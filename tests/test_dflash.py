@@ -74,6 +74,15 @@ def test_block_mask_by_hand():
     assert torch.equal(m, want)
 
 
+def test_static_cut_by_hand():
+    from specbook.drafters.dflash import static_cut
+    from specbook.viz import cut_steps
+
+    assert static_cut([0.9, 0.5, 0.2], 0.3) == 2 and static_cut([0.9, 0.5], 0.1) == 2 and static_cut([0.2], 0.3) == 0
+    steps = [{"survival": [0.9, 0.5, 0.2], "accepted": 1}, {"survival": [0.9, 0.8, 0.7], "accepted": 3}]
+    assert cut_steps(steps, 0.3) == {"cuts": [2, 3], "kept": 4, "wasted": 1, "lost": 0, "verified": 5}
+
+
 def test_block_sees_its_context_before_the_anchor_and_only_features(deep):
     """Training's block attention: a block's logits change with a context feature before its anchor, not with one
     after it, and not with the context's token ids (context K/V come only from the injected features)."""

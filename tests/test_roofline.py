@@ -82,3 +82,11 @@ def test_measurements_are_positive():
 def test_latency_profile_on_tiny(tiny):
     lat = rl.profile_latency_vs_k(tiny, ks=(1, 4), context=8, repeats=1)
     assert set(lat) == {1, 4} and all(v > 0 for v in lat.values())
+
+
+def test_median_seconds_warms_up_resets_and_takes_the_median():
+    from specbook.roofline import median_seconds
+
+    calls, resets = [], []
+    t = median_seconds(lambda: calls.append(1), repeats=3, reset=lambda: resets.append(1))
+    assert len(calls) == 4 and len(resets) == 4 and 0 <= t < 0.1

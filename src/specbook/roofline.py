@@ -42,6 +42,19 @@ DATASHEET: dict[str, Accelerator] = {
 # --------------------------------------------------------------------------- measurements
 
 
+def median_seconds(fn, repeats: int = 5, reset=None) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after one warm-up run; ``reset()`` (untimed) after each
+    run puts back what ``fn`` changed (e.g. a KV cache cropped to its context). The drafters' draft cost."""
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if reset is not None:
+            reset()
+    return sorted(times[1:])[repeats // 2]
+
+
 def measure_bandwidth(size_mb: int = 512, repeats: int = 5, device: str | torch.device = "cpu") -> float:
     """Read bandwidth in GB/s: best of ``repeats`` full reductions over a ``size_mb`` fp32 buffer.
 

@@ -390,10 +390,12 @@ def cut_steps(steps: list[dict], threshold: float) -> dict:
     """What a static survival threshold would have done to full-block steps: each step {"tokens", "survival"
     (a_1..a_g), "accepted" (how many the target accepted)} -> kept / wasted (verified, rejected) / lost (cut, but
     the target would have accepted them) token counts, and per step the cut position."""
+    from .drafters.dflash import static_cut
+
     cuts, kept, wasted, lost = [], 0, 0, 0
     for s in steps:
-        a, n_acc = s["survival"], s["accepted"]
-        cut = next((k for k, x in enumerate(a) if x < threshold), len(a))
+        n_acc = s["accepted"]
+        cut = static_cut(s["survival"], threshold)
         cuts.append(cut)
         kept += min(cut, n_acc)
         wasted += max(0, cut - n_acc)

@@ -58,7 +58,7 @@ from torch import nn
 from ..decoding import Drafter, SpecState
 from ..sampling import probs_from, sample
 from ..verify import DraftTree
-from . import RMSNorm32
+from . import RMSNorm32, head_rows
 from .eagle.head import _head_config
 from .eagle3 import Eagle3Attention, _rotate_half
 
@@ -213,6 +213,12 @@ def block_mask(anchors: torch.Tensor, S: int, gamma: int) -> torch.Tensor:
     return torch.cat([ctx_ok, torch.block_diag(*[torch.ones(n, n, dtype=torch.bool)] * A)], 1)
 
 
+def static_cut(survival: list[float], threshold: float) -> int:
+    """DeepSpec's static rule: how many block positions are verified = the index of the first position whose
+    survival a_k falls below ``threshold`` (the whole block when none does)."""
+    return next((k for k, a in enumerate(survival) if a < threshold), len(survival))
+
+
 def _weights(gamma: int, device=None) -> torch.Tensor:
     return torch.exp(-torch.arange(gamma, dtype=torch.float32, device=device) / POSITION_DECAY)
 
@@ -241,7 +247,7 @@ class DFlashObjective:
         self.net = BlockNet(target.config, vocab, gamma=gamma, layers=layers, taps=taps,
                             markov_rank=self.markov_rank, confidence=self.use_confidence).to(W_full.device).float()
         self.module = self.net
-        self.W_full, self.W = W_full, W_full[self.net.vocab]
+        self.W_full, self.W = W_full, head_rows(W_full, self.net.vocab)[0]
         self.E, self.config = target.get_input_embeddings(), target.config
         if not isinstance(anchors, int) or anchors < 1:
             raise ValueError(f"anchors per window must be an int >= 1, got {anchors!r}")
@@ -323,13 +329,14 @@ class DFlashObjective:
         return {"logits": logits, "labels": labels, "ok": ok.to(dev), "p_v": p_v, "t_arg_in": t_in, "h": h,
                 "w1": w1}
 
-    def _terms(self, f):
-        """Per-position loss terms [M, g] (CE on the corpus token, TV to the target, and for DSpark the BCE)."""
+    def _terms(self, f, tv: bool = False):
+        """Per-position loss terms [M, g] (CE on the corpus token, TV to the target when a loss term needs it or
+        ``tv``, and for DSpark the BCE)."""
         lp = torch.log_softmax(f["logits"].float(), -1)
         has = f["labels"] >= 0
         ce = -lp.gather(-1, f["labels"].clamp_min(0)[..., None])[..., 0] * has
         terms = {"ce": ce, "ce_ok": f["ok"] & has}
-        if self.use_confidence or "tv" in self.loss_weights:
+        if tv or self.use_confidence or "tv" in self.loss_weights:
             tv = tv_distance(lp.exp(), f["p_v"])
             terms["tv"] = tv
             if self.use_confidence:
@@ -358,10 +365,9 @@ class DFlashObjective:
         hit (the draft's argmax is the target's argmax: acceptance at T = 0 given the prefix was accepted),
         soft = 1 - TV(q_k, p_k) (acceptance at T = 1), and the confidence logits z when the drafter has them."""
         f = self._forward(batch, heldout=True)
-        t = self._terms(f)
+        t = self._terms(f, tv=True)
         hit = (f["logits"].argmax(-1) == f["t_arg_in"]) & (f["t_arg_in"] >= 0)
-        out = {"hit": hit.float(), "soft": 1 - t.get("tv", tv_distance(torch.softmax(f["logits"].float(), -1),
-                                                                         f["p_v"])), "ok": f["ok"]}
+        out = {"hit": hit.float(), "soft": 1 - t["tv"], "ok": f["ok"]}
         if "z" in t:
             out["z"] = t["z"]
         return out
@@ -581,7 +587,7 @@ class BlockDrafter(Drafter):
         if net.hidden != target.config.hidden_size:
             raise ValueError(f"the drafter has width {net.hidden}, the target {target.config.hidden_size}: "
                              "it was built for another target")
-        self.W = target.get_output_embeddings().weight.index_select(0, net.vocab)
+        self.W, _ = head_rows(target.get_output_embeddings().weight, net.vocab)
         if next(net.parameters()).device != self.W.device:
             raise ValueError("the drafter and the target are on different devices; move both to one device")
         self.target, self.net, self.gamma = target, net.eval(), gamma
@@ -608,7 +614,7 @@ class BlockDrafter(Drafter):
         if self.threshold is None:
             return True
         if self.threshold != "auto":
-            return a[-1] >= self.threshold
+            return static_cut(a, self.threshold) >= k
         from ..roofline import interp_latency
 
         def rate(n):
@@ -667,21 +673,15 @@ class BlockDrafter(Drafter):
 def measure_draft_cost(target, net: BlockNet, context: int = 256, repeats: int = 5) -> float:
     """Median seconds of one block forward (gamma + 1 queries over ``context`` cached context positions) with
     its logits over the draft vocabulary: the drafting cost the "auto" cut prices."""
-    import time
+    from ..roofline import median_seconds
 
-    W = target.get_output_embeddings().weight.index_select(0, net.vocab)
+    W, _ = head_rows(target.get_output_embeddings().weight, net.vocab)
     dev, dt, g = W.device, W.dtype, net.gamma
     ctx = torch.zeros(1, context, len(net.taps) * net.hidden, dtype=dt, device=dev)
     kv = net.context_kv(net.context(ctx), torch.arange(context, device=dev)[None])
     emb = net.mask_embedding.to(dt).expand(1, g + 1, -1)
     pos = torch.arange(context, context + g + 1, device=dev)[None]
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        t0 = time.perf_counter()
-        h = net.block(emb, pos, kv)[0, 1:]
-        torch.softmax((h @ W.T).float(), -1)
-        times.append(time.perf_counter() - t0)
-    return sorted(times[1:])[repeats // 2]
+    return median_seconds(lambda: torch.softmax((net.block(emb, pos, kv)[0, 1:] @ W.T).float(), -1), repeats)
 
 
 def trace_blocks(target, drafter: BlockDrafter, input_ids: torch.Tensor, *, max_new_tokens: int = 64, sampling=None,
@@ -699,6 +699,5 @@ def trace_blocks(target, drafter: BlockDrafter, input_ids: torch.Tensor, *, max_
     for i, t in enumerate(trace):
         n = len(t["draft"])
         steps.append({"tokens": t["draft"], "accepted": len(t["path"]),
-                      "survival": drafter.survival[i][:n] if drafter.survival[i] else [],
-                      "z": drafter.confidence_logits[i][:n] if drafter.confidence_logits[i] else []})
+                      "survival": drafter.survival[i][:n], "z": drafter.confidence_logits[i][:n]})
     return steps, res

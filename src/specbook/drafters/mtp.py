@@ -296,21 +296,20 @@ def measure_module_cost(target, modules: MTPModules, vocab: torch.Tensor | None 
                         repeats: int = 5) -> float:
     """Median seconds of one module forward over 2 new positions after ``context`` cached ones, with its
     logits over the head vocabulary: the per-depth drafting cost of ``auto_depth``."""
-    import time
-
     from transformers import DynamicCache
+
+    from ..roofline import median_seconds
 
     W, _ = head_rows(target.get_output_embeddings().weight, vocab)
     mod, H = modules.mods[0], W.shape[1]
     cache = DynamicCache(config=mod.block.model.config)
     x = torch.zeros(1, context, H, dtype=W.dtype, device=W.device)
     mod(x, x, position_ids=torch.arange(context, device=W.device)[None], cache=cache)
-    norm, times = final_norm(target), []
+    norm = final_norm(target)
     pos = torch.arange(context, context + 2, device=W.device)[None]
-    for _ in range(repeats + 1):  # the first run warms up
-        t0 = time.perf_counter()
+
+    def step():
         out = mod(x[:, :2], x[:, :2], position_ids=pos, cache=cache)
         torch.softmax((norm(out[:, -1]) @ W.T).float(), -1)
-        times.append(time.perf_counter() - t0)
-        crop_to(cache, context)
-    return sorted(times[1:])[repeats // 2]
+
+    return median_seconds(step, repeats, reset=lambda: crop_to(cache, context))

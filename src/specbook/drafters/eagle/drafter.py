@@ -169,11 +169,10 @@ class EagleRunner(Drafter):
     def measure_draft_cost(self, context: int = 256, repeats: int = 5) -> float:
         """Median seconds of one draft forward over ``top_k`` tree nodes (head + log-softmax over the head
         vocabulary) after ``context`` cached positions: the ``draft_cost`` of the auto tree size."""
-        import time
-
         from transformers import DynamicCache
 
         from ...cache import crop_to
+        from ...roofline import median_seconds
 
         saved = (self.cache, self.n_cached, self.forwards)  # profiling is not drafting: all restored below
         H, k = self.W.shape[1], self.top_k
@@ -183,15 +182,10 @@ class EagleRunner(Drafter):
             self.head(self._embed([0] * context), feats, position_ids=torch.arange(context, device=self.W.device)[None],
                       cache=self.cache)
             self.n_cached = context
-            times = []
-            for _ in range(repeats + 1):  # the first run warms up
-                t0 = time.perf_counter()
-                self._logp(self._expand([0] * k, feats[0, :k], 0, [[] for _ in range(k)], 0))
-                times.append(time.perf_counter() - t0)
-                crop_to(self.cache, context)
+            return median_seconds(lambda: self._logp(self._expand([0] * k, feats[0, :k], 0, [[] for _ in range(k)], 0)),
+                                  repeats, reset=lambda: crop_to(self.cache, context))
         finally:
             self.cache, self.n_cached, self.forwards = saved
-        return sorted(times[1:])[repeats // 2]
 
     def _ids(self, idx: torch.Tensor) -> list[int]:
         return (self.vocab[idx] if self.vocab is not None else idx).tolist()
