@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from specbook import bench
+from specbook import bench, roofline
 from specbook.prompts import load_prompts
 
 
@@ -61,8 +61,8 @@ def test_step_split_by_hand():
 def test_monotone_latency_by_hand():
     # a measured curve with 8 tokens slower than 16: the dip is raised, nothing else moves
     lat = {1: 45.8, 2: 49.9, 4: 49.9, 8: 55.7, 16: 54.7, 32: 63.6}
-    assert bench.monotone_latency(lat) == {1: 45.8, 2: 49.9, 4: 49.9, 8: 55.7, 16: 55.7, 32: 63.6}
-    assert bench.monotone_latency({4: 2.0, 1: 3.0}) == {1: 3.0, 4: 3.0}  # keys in any order
+    assert roofline.monotone_latency(lat) == {1: 45.8, 2: 49.9, 4: 49.9, 8: 55.7, 16: 55.7, 32: 63.6}
+    assert roofline.monotone_latency({4: 2.0, 1: 3.0}) == {1: 3.0, 4: 3.0}  # keys in any order
 
 
 @pytest.mark.slow
@@ -95,7 +95,7 @@ def test_bench_auto_trees_record_what_they_measured(real):
     assert len(s["eagle"]["static_choices"]) >= 1 and len(s["medusa_choices"]) >= 1
     assert max(len(c) for c in s["eagle"]["static_choices"]) <= bench.EagleSettings().depth
     lat = [s["latency_s"][k] for k in sorted(s["latency_s"])]
-    assert lat == sorted(lat)  # made non-decreasing in k (bench.monotone_latency)
+    assert lat == sorted(lat)  # made non-decreasing in k (roofline.monotone_latency)
     from specbook.drafters.eagle import confidence_calibration, load_eagle
     from specbook.train import CKPT_DIR
 

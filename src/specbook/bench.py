@@ -355,18 +355,10 @@ def measure_latency(model) -> dict[int, float]:
     """The target's forward latency curve {k tokens: seconds} at a 256-token context (what "auto" trees use):
     best of 5 per k, made non-decreasing in k (a forward over more tokens is not faster; a dip is timing
     noise that would move the auto trees)."""
-    from .roofline import profile_latency_vs_k
+    from .roofline import monotone_latency, profile_latency_vs_k
 
     return monotone_latency(profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64), context=256, repeats=5))
 
-
-def monotone_latency(latency: dict[int, float]) -> dict[int, float]:
-    """The curve with every point raised to the largest latency at fewer tokens (running maximum over k)."""
-    out, top = {}, 0.0
-    for k in sorted(latency):
-        top = max(top, latency[k])
-        out[k] = top
-    return out
 
 
 def latency_for(ctx: BenchContext) -> dict[int, float]:

@@ -289,9 +289,12 @@ class Drafter:
     ``hidden_layers`` (``output_hidden_states`` indices: 0 = embeddings, l = after l decoder layers, -1 = the
     final hidden state after the last norm), concatenated along the feature axis.
     ``forwards``: the drafter's own forward passes so far (the loops report the difference per call).
+    ``confidences``: its drafts carry ``DraftTree.confidence`` = the survival a_j of each position (serving.py's
+    confidence policies need it).
     """
 
     needs_hidden: bool = False
+    confidences: bool = False
     hidden_layers: tuple[int, ...] = (-1,)
     forwards: int = 0
 

@@ -199,6 +199,15 @@ def profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: 
 # --- tree sizing from the measured latency curve (Medusa / EAGLE 'auto' trees)
 
 
+def monotone_latency(latency: dict[int, float]) -> dict[int, float]:
+    """The curve with every point raised to the largest latency at fewer tokens (running maximum over k)."""
+    out, top = {}, 0.0
+    for k in sorted(latency):
+        top = max(top, latency[k])
+        out[k] = top
+    return out
+
+
 def interp_latency(latency: dict[int, float], n: float) -> float:
     """Seconds for a target forward over n tokens: piecewise-linear in the measured curve {k: seconds},
     constant below its first point, proportional to n beyond its last."""

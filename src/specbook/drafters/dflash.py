@@ -592,6 +592,7 @@ class BlockDrafter(Drafter):
             raise ValueError("the drafter and the target are on different devices; move both to one device")
         self.target, self.net, self.gamma = target, net.eval(), gamma
         self.hidden_layers = net.taps
+        self.confidences = net.confidence is not None
         self.temperatures = temperatures or {}
         self.latency, self.draft_cost = latency, float(draft_cost)
         self.E = target.get_input_embeddings()

@@ -1,0 +1,257 @@
+"""The serving loop (serving.py): the policies by hand, DSpark's Appendix A counterexample, the step curve,
+greedy identity with requests joining and leaving, exact losslessness of Algorithm 1 with concurrent requests, and
+the no-early-stop scheduler failing the same check."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specbook import serving as S
+from specbook.decoding import generate
+from specbook.drafters.dflash import BlockDrafter, BlockNet
+from specbook.drafters.draft_model import DraftModelDrafter
+from specbook.exactness import exact_joint, logit_table, noise_floor, tv
+from specbook.models import tiny_llama
+from specbook.sampling import SamplingConfig
+from specbook.verify import DraftTree
+
+VOCAB = 4
+
+
+class Confident(DraftModelDrafter):
+    """A draft model whose drafts carry survivals from a rule on the previous draft token: c_1 = ``first``,
+    c_j = ``high`` if x_{j-1} is in ``favoured`` else ``low``. Any function of the tokens before position j is a
+    legal confidence (it is known before x_j is drawn); one this sharp makes the no-early-stop bias large."""
+
+    confidences = True
+
+    def __init__(self, draft, favoured=(2,), first=0.6, high=0.95, low=0.02, gamma=2):
+        super().__init__(draft, gamma=gamma)
+        self.favoured, self.first, self.high, self.low = set(favoured), first, high, low
+
+    def propose(self, state):
+        d = super().propose(state)
+        c = [self.first] + [self.high if x in self.favoured else self.low for x in d.tokens[:-1].tolist()]
+        return DraftTree(d.tokens, d.parents, d.q, torch.tensor(c).cumprod(0)[:len(d)])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=0)
+
+
+def _draft(seed):
+    return tiny_llama(vocab_size=VOCAB, hidden_size=32, layers=1, seed=seed)
+
+
+# ---------------------------------------------------------------- Appendix A and the scheduler by hand
+
+
+APPENDIX_A = S.StepCurve({1: 1 / 1.0, 2: 1 / 0.5, 3: 1 / 0.45})  # SPS(1) = 1, SPS(2) = 0.5, SPS(3) = 0.45
+
+
+def test_appendix_a_counterexample():
+    """One request, gamma 2, a_1 = 0.8; x_1 = A gives c_2 = 0.9, x_1 = B gives c_2 = 0. The full search verifies x_1
+    only when it is A, which outputs (0.85, 0.15) against the target's (0.7, 0.3); the early stop never admits x_1
+    (Theta_1 = 0.9 < Theta_0 = 1) and outputs the target's distribution exactly."""
+    p, q = torch.tensor([0.7, 0.3]), torch.tensor([0.5, 0.5])
+    surv = {0: [0.8, 0.8 * 0.9], 1: [0.8, 0.8 * 0.0]}  # by x_1: A = 0, B = 1
+    assert S.expected_rate([surv[0]], [2], APPENDIX_A) == pytest.approx(1.134)
+    search = [S.algorithm1([surv[x]], APPENDIX_A, early_stop=False)[0] >= 1 for x in (0, 1)]
+    stop = [S.algorithm1([surv[x]], APPENDIX_A, early_stop=True)[0] >= 1 for x in (0, 1)]
+    assert search == [True, False] and stop == [False, False]
+    torch.testing.assert_close(S.first_token_distribution(p, q, search), torch.tensor([0.85, 0.15], dtype=torch.float64))
+    torch.testing.assert_close(S.first_token_distribution(p, q, stop), p.double())
+    torch.testing.assert_close(S.first_token_distribution(p, q, [True, True]), p.double())  # verify always: lossless
+
+
+def test_algorithm1_by_hand():
+    curve = S.StepCurve({2: 1.0, 3: 1.2, 4: 1.5, 5: 2.5})
+    surv = [[0.9, 0.5], [0.8, 0.1]]
+    # Theta: B=2: 2.0; + (0,1) a=.9: 2.9/1.2 = 2.42; + (1,1) a=.8: 3.7/1.5 = 2.47; + (0,2) a=.5: 4.2/2.5 = 1.68 -> stop
+    assert S.algorithm1(surv, curve) == [1, 1]
+    assert S.greedy_path(surv) == [(0.9, 0, 1), (0.8, 1, 1), (0.5, 0, 2), (0.1, 1, 2)]
+    assert S.top_budget(surv, 3) == [2, 1] and S.top_budget(surv, 0) == [0, 0]
+    assert S.algorithm1([], curve) == []
+    # ties keep prefixes: c = 1 makes a_{r,2} = a_{r,1}
+    assert S.greedy_path([[0.5, 0.5]]) == [(0.5, 0, 1), (0.5, 0, 2)]
+
+
+def test_schedule_policies():
+    curve = S.StepCurve({2: 1.0, 3: 1.2, 4: 1.5, 5: 2.5})
+    surv, lengths = [[0.9, 0.5], [0.8, 0.1]], [2, 2]
+    sch = lambda name, **kw: S.schedule(S.parse_policy(name), surv, lengths, curve, **kw)  # noqa: E731
+    assert sch("none") == [0, 0] and sch("fixed:1") == [1, 1] and sch("fixed:7") == [2, 2]
+    assert sch("threshold:0.6") == [1, 1] and sch("threshold:0") == [2, 2]
+    assert sch("alg1") == [1, 1]
+    # vllm: the budget from last step's survivals, filled with this step's best candidates
+    assert sch("vllm", stale=[[0.1, 0.0], [0.1, 0.0]]) == [0, 0]
+    assert sch("vllm", stale=None) == S.top_budget(surv, sum(S.algorithm1([[1.0, 1.0]] * 2, curve, early_stop=False)))
+
+
+survivals = st.lists(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=7).map(
+    lambda cs: torch.tensor(cs).cumprod(0).tolist()), min_size=1, max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(survivals, st.lists(st.floats(0.01, 1.0), min_size=4, max_size=4))
+def test_algorithm1_properties(surv, costs):
+    """Prefix lengths within each block; the early stop's Theta >= not verifying at all; the full search's Theta
+    >= the early stop's (its maximum runs along the same path); vllm's budget gives a prefix per request."""
+    sizes = [1, 4, 16, 64]
+    curve = S.StepCurve({s: c * s ** 0.5 + c for s, c in zip(sizes, costs)})
+    ell = S.algorithm1(surv, curve)
+    full = S.algorithm1(surv, curve, early_stop=False)
+    for e, f, s in zip(ell, full, surv):
+        assert 0 <= e <= len(s) and 0 <= f <= len(s)
+    zero = S.expected_rate(surv, [0] * len(surv), curve)
+    assert S.expected_rate(surv, ell, curve) >= zero - 1e-9
+    assert S.expected_rate(surv, full, curve) >= S.expected_rate(surv, ell, curve) - 1e-9
+    top = S.top_budget(surv, sum(full))
+    assert sum(top) == sum(full) and all(t <= len(s) for t, s in zip(top, surv))
+
+
+def test_step_curve_is_monotone_and_interpolates():
+    c = S.StepCurve({1: 1.0, 4: 0.8, 8: 2.0})  # a dip at 4 is timing noise: raised to 1.0
+    assert c.seconds_by_size == {1: 1.0, 4: 1.0, 8: 2.0}
+    assert c.seconds(6) == pytest.approx(1.5) and c.seconds(16) == pytest.approx(4.0) and c.seconds(0.5) == 1.0
+    assert c.sps(8) == pytest.approx(0.5)
+    assert S.StepCurve.from_json(c.to_json()).seconds_by_size == c.seconds_by_size
+    with pytest.raises(ValueError, match="at least one"):
+        S.StepCurve({})
+
+
+def test_profile_step_curve_on_a_tiny_model(target):
+    c = S.profile_step_curve(target, sizes=(1, 2, 4), context=8, repeats=1)
+    vals = [c.seconds_by_size[k] for k in (1, 2, 4)]
+    assert vals == sorted(vals) and all(v > 0 for v in vals) and c.context == 8
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input(target):
+    reqs = S.closed_loop([[0, 1, 2]], 4)
+    with pytest.raises(ValueError, match="concurrency"):
+        S.serve(target, reqs, concurrency=0)
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        S.serve(target, reqs, policy="fastest")
+    for bad in ("fixed:0", "fixed:x", "threshold:2", "alg1:3"):
+        with pytest.raises(ValueError):
+            S.parse_policy(bad)
+    with pytest.raises(ValueError, match="DSpark"):  # a confidence policy with a drafter that has none
+        S.serve(target, reqs, policy="alg1", drafter=DraftModelDrafter(_draft(9)), curve=APPENDIX_A)
+    with pytest.raises(ValueError, match="drafter"):
+        S.serve(target, reqs, policy="fixed:2")
+    with pytest.raises(ValueError, match="not lossless"):
+        S.serve(target, reqs, policy="search", drafter=Confident(_draft(9)), curve=APPENDIX_A)
+    with pytest.raises(ValueError, match="step curve"):
+        S.serve(target, reqs, policy="alg1", drafter=Confident(_draft(9)))
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        S.serve(target, S.closed_loop([[0] * 250], 10))
+    with pytest.raises(ValueError, match="no requests"):
+        S.serve(target, [])
+    with pytest.raises(ValueError, match="rate"):
+        S.poisson_trace([[0]], 4, rate=0)
+
+
+# ---------------------------------------------------------------- greedy identity, joins and leaves
+
+
+PROMPTS = [[0, 3, 2, 1], [0, 2, 2], [0, 1, 3, 3, 2], [0, 2], [0, 3, 3, 1, 1, 2]]
+
+
+@pytest.mark.parametrize("policy", ["none", "fixed:1", "fixed:3", "threshold:0.3", "alg1", "vllm"])
+def test_greedy_output_is_each_requests_own(target, policy):
+    """T = 0, fp32: every request's tokens equal its own plain greedy decoding, whatever shares the batch: 5 requests
+    of different lengths through concurrency 2 (requests join as others finish) and a Poisson trace."""
+    full = [generate(target, torch.tensor([p]), max_new_tokens=12, eos_token_id=-1).tokens[0] for p in PROMPTS]
+    ref = [r[:n] for r, n in zip(full, (9, 4, 7, 12, 5))]  # greedy: a shorter budget is a prefix
+    reqs = [S.Request(i, p, n) for i, (p, n) in enumerate(zip(PROMPTS, (9, 4, 7, 12, 5)))]
+    drafter = None if policy == "none" else Confident(_draft(9), gamma=3, first=0.9, high=0.8, low=0.3)
+    curve = S.StepCurve({2: 1.0, 3: 1.1, 4: 1.2, 8: 2.0})
+    out = S.serve(target, reqs, policy=policy, drafter=drafter, concurrency=2, curve=curve, eos_token_id=-1)
+    assert [r.tokens for r in out.requests] == ref
+    assert max(s.requests for s in out.steps) == 2 and out.tokens == sum(len(r) for r in ref)
+    trace = S.poisson_trace(PROMPTS, 6, rate=50.0, seed=1)
+    out = S.serve(target, trace, policy=policy, drafter=drafter, concurrency=3, curve=curve, eos_token_id=-1)
+    assert [r.tokens for r in out.requests] == [x[:6] for x in full]
+    assert all(r.finished_at >= r.first_token_at >= r.arrival for r in out.requests)
+
+
+def test_block_drafter_serves_and_records(target):
+    """The DSpark block drafter (target features through the packed forward) under Algorithm 1: greedy identity, and
+    the per-step trace the simulator replays."""
+    torch.manual_seed(0)
+    net = BlockNet(target.config, torch.tensor([0, 2, 3]), gamma=3, layers=1, taps=(1,), markov_rank=4,
+                   confidence=True).eval()
+    d = BlockDrafter(target, net)
+    reqs = S.closed_loop(PROMPTS[:3], 8)
+    curve = S.StepCurve({3: 1.0, 4: 1.05, 6: 1.2, 12: 3.0})
+    out = S.serve(target, reqs, policy="alg1", drafter=d, concurrency=3, curve=curve, eos_token_id=-1, record=True)
+    ref = [generate(target, torch.tensor([p]), max_new_tokens=8, eos_token_id=-1).tokens[0] for p in PROMPTS[:3]]
+    assert [r.tokens for r in out.requests] == ref
+    steps = [t for r in out.requests for t in r.trace]
+    assert steps and all(len(t["survival"]) == t["drafted"] == 3 and t["accepted"] <= t["verified"] for t in steps)
+    assert sum(r.verified for r in out.requests) == sum(t["verified"] for t in steps) > 0
+    with pytest.raises(ValueError, match="threshold=None"):
+        S.serve(target, reqs, policy="alg1", drafter=BlockDrafter(target, net, threshold=0.5), curve=curve)
+
+
+# ---------------------------------------------------------------- exact losslessness with concurrent requests
+
+
+def _joints(target, prompts, policy, drafter, curve, n, k, seed=1, **kw):
+    """Empirical joint [V ** k] of each request's first k tokens over n runs of the serving loop."""
+    g = torch.Generator().manual_seed(seed)
+    counts = [torch.zeros(VOCAB ** k, dtype=torch.float64) for _ in prompts]
+    reqs = S.closed_loop(prompts, k)
+    verified = drafted = 0
+    for _ in range(n):
+        out = S.serve(target, reqs, policy=policy, drafter=drafter, concurrency=len(prompts), curve=curve,
+                      sampling=SamplingConfig(1.0), generator=g, eos_token_id=-1, **kw)
+        for c, r in zip(counts, out.requests):
+            c[sum(t * VOCAB ** (k - 1 - i) for i, t in enumerate(r.tokens))] += 1
+        verified += sum(s.verified for s in out.steps)
+        drafted += sum(s.drafted for s in out.steps)
+    return [c / n for c in counts], verified / max(drafted, 1)
+
+
+def _ratios(target, prompts, emp, n, k, seed=1):
+    out = []
+    for p, e in zip(prompts, emp):
+        exact = exact_joint(logit_table(target, p, k - 1), SamplingConfig(1.0), k)
+        floors = noise_floor(exact, n, torch.Generator().manual_seed(seed + 1))
+        out.append(tv(e, exact) / float(floors.mean() + 4 * floors.std()))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["alg1", "vllm"])
+def test_scheduled_serving_is_lossless(target, policy):
+    """Two requests in one batch at T = 1, their blocks cut by the policy (which verifies a varying number of
+    tokens, decided by survivals that depend on the drafted tokens): each request's first 3 tokens follow the
+    target's exact joint."""
+    prompts = [[0, 2, 2], [0, 3, 2, 1]]
+    curve = S.StepCurve({2: 1.0, 3: 1.25, 4: 1.45, 5: 1.6, 6: 1.75})
+    emp, verified = _joints(target, prompts, policy, Confident(_draft(9), first=0.7), curve, n=1500, k=3)
+    ratios = _ratios(target, prompts, emp, 1500, 3)
+    print(policy, ratios, verified)
+    assert 0.1 < verified < 0.95  # the share of drafted tokens verified: the policy cut blocks, not all of them
+    assert max(ratios) < 1, f"{policy}: TV / bound per request {ratios}"
+
+
+def test_no_early_stop_scheduler_fails_the_check(target):
+    """DSpark Appendix A through the loop: the full search (no early stop) verifies x_1 only when its continuation
+    looks confident, i.e. depending on x_1 itself; the output leaves the target's distribution by >= 3x the bound.
+    One request (the paper's setting): a_1 alone does not pay (Theta_1 < Theta_0), a_1 + a_2 does when x_1 is
+    favoured."""
+    prompts = [[0, 2, 2]]
+    curve = S.StepCurve({1: 1.0, 2: 1.7, 3: 1.75})
+    drafter = Confident(_draft(9), favoured=(2,), first=0.6)
+    emp, _ = _joints(target, prompts, "search", drafter, curve, n=3000, k=2, allow_lossy=True)
+    bad = _ratios(target, prompts, emp, 3000, 2)
+    emp, verified = _joints(target, prompts, "alg1", drafter, curve, n=1000, k=2)
+    good = _ratios(target, prompts, emp, 1000, 2)
+    print("search", bad, "alg1", good, verified)
+    assert bad[0] >= 3, f"the no-early-stop scheduler should fail clearly: {bad}"
+    assert good[0] < 1 and verified == 0  # the early stop never admits x_1 here (Theta_1 < Theta_0)
