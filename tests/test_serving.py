@@ -73,6 +73,9 @@ def test_algorithm1_by_hand():
     assert S.greedy_path(surv) == [(0.9, 0, 1), (0.8, 1, 1), (0.5, 0, 2), (0.1, 1, 2)]
     assert S.top_budget(surv, 3) == [2, 1] and S.top_budget(surv, 0) == [0, 0]
     assert S.algorithm1([], curve) == []
+    path = S.admission_path(surv, curve)
+    assert [r["admitted"] for r in path] == [True, True, False, False]
+    assert path[1]["B"] == 4 and path[1]["theta"] == pytest.approx(3.7 / 1.5)
     # ties keep prefixes: c = 1 makes a_{r,2} = a_{r,1}
     assert S.greedy_path([[0.5, 0.5]]) == [(0.5, 0, 1), (0.5, 0, 2)]
 
@@ -255,3 +258,37 @@ def test_no_early_stop_scheduler_fails_the_check(target):
     print("search", bad, "alg1", good, verified)
     assert bad[0] >= 3, f"the no-early-stop scheduler should fail clearly: {bad}"
     assert good[0] < 1 and verified == 0  # the early stop never admits x_1 here (Theta_1 < Theta_0)
+
+
+def test_block_drafter_batched_proposals_match_one_at_a_time(target):
+    """propose_batch (ONE block forward over requests with different context lengths, padding masked) drafts what
+    propose drafts for each request alone: the same greedy tokens, the same q and survivals up to rounding."""
+    import copy
+
+    from specbook.decoding import SpecState
+
+    torch.manual_seed(0)
+    net = BlockNet(target.config, torch.tensor([0, 2, 3]), gamma=3, layers=2, taps=(1,), markov_rank=4,
+                   confidence=True).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    proto = BlockDrafter(target, net)
+    states = []
+    for prompt in PROMPTS[:3]:
+        with torch.no_grad():
+            out = target(torch.tensor([prompt]), output_hidden_states=True)
+        states.append(SpecState(tokens=prompt + [2], prompt_len=len(prompt), sampling=SamplingConfig(), generator=None,
+                                target=target, target_hidden=out.hidden_states[1][0]))
+    alone, together = [copy.copy(proto) for _ in states], [copy.copy(proto) for _ in states]
+    for a, b, s in zip(alone, together, states):
+        a.begin(s)
+        b.begin(s)
+    one = [d.propose(s) for d, s in zip(alone, states)]
+    many = BlockDrafter.propose_batch(together, states)
+    for x, y in zip(one, many):
+        assert x.tokens.tolist() == y.tokens.tolist()
+        torch.testing.assert_close(x.q, y.q, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(x.confidence, y.confidence, atol=1e-5, rtol=1e-4)
+    assert all(d.forwards == 1 for d in together)

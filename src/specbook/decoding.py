@@ -307,6 +307,11 @@ class Drafter:
     def update(self, state: SpecState, draft, result) -> None:  # pragma: no cover - protocol
         pass
 
+    @staticmethod
+    def propose_batch(drafters: list["Drafter"], states: list[SpecState]) -> list:
+        """``propose`` for several sequences at once (serving.py); a drafter class may batch its forwards here."""
+        return [d.propose(s) for d, s in zip(drafters, states)]
+
 
 Acceptance = Literal["exact", "typical"]
 ACCEPTANCE = get_args(Acceptance)

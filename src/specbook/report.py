@@ -72,6 +72,23 @@ def category_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def serving_section(name: str, d: dict) -> str:
+    """A serving sweep (``python -m specbook.serving bench``): every policy at every concurrency, and how close the
+    trace-driven simulator comes to those real runs."""
+    from .serving import markdown
+
+    s, m = d["settings"], d["machine"]
+    head = (f"## {name}\n\n{m.get('cpu', m.get('platform', '?'))}, {s.get('threads', '?')} threads, {s['dtype']}, "
+            f"{s.get('drafter', '?')} drafter (gamma {s['gamma']}), closed loop of max({s['requests_per_level']} x c, "
+            f"{s['min_requests']}) requests x {s['max_new_tokens']} tokens, temperature {s['temperature']}\n\n"
+            f"`{s.get('command', 'run_sweep(...) from Python')}`\n")
+    rows = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in d["rows"]]
+    errs = sorted(abs(v["error"]) for v in d.get("validation", []))
+    sim = (f"Simulator (`serving.simulate`, the same traces and costs) against these runs: median error "
+           f"{100 * errs[len(errs) // 2]:.1f}%, worst {100 * errs[-1]:.1f}% over {len(errs)} runs.\n") if errs else ""
+    return head + "\n" + markdown(rows) + "\n\n" + sim
+
+
 def results_page(bench_dir: Path = BENCH_DIR) -> str:
     """docs/RESULTS.md: every committed bench JSON, newest layout first by file name."""
     parts = ["# Results\n",
@@ -81,6 +98,9 @@ def results_page(bench_dir: Path = BENCH_DIR) -> str:
              "and the bonus / correction token included). Per category: speedup (tau).\n"]
     for f in sorted(Path(bench_dir).glob("*.json")):
         d = json.loads(f.read_text())
+        if "traces" in d:  # a serving sweep
+            parts.append(serving_section(f.stem, d))
+            continue
         parts.append(_run_header(f.stem, d))
         parts.append(main_table(d) + "\n")
         cat = category_table(d)

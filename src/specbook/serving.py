@@ -21,7 +21,8 @@ decides l_r from quantities known before the tokens it admits were drawn (non-an
 without its early stop: it reads a_{r,j+1}, which depends on the drafted x_{r,j}, to decide whether x_{r,j} is
 verified (DSpark's Appendix A). It exists to show that bias and is refused unless asked for by name.
 
-Drafting is one drafter call per request (not batched across requests): its cost is measured and reported apart.
+Drafting: ``Drafter.propose_batch`` over every running request (the block drafter runs ONE forward for all of
+them); its time is measured and reported apart from the target's.
 """
 
 from __future__ import annotations
@@ -193,6 +194,22 @@ def algorithm1(survivals: list[list[float]], curve: StepCurve, early_stop: bool 
         elif early_stop:
             break
     return best_ell
+
+
+def admission_path(survivals: list[list[float]], curve: StepCurve) -> list[dict]:
+    """Algorithm 1's walk written out: one row per candidate in ``greedy_path`` order with the batch tokens B, the
+    expected accepts tau* and Theta after admitting it, and whether the early-stop rule admits it (``admitted``) —
+    the rows after the first non-improving one are what the full search would still look at."""
+    R = len(survivals)
+    B, tau, best, stopped, rows = R, float(R), R * curve.sps(R), False, []
+    for a, r, j in greedy_path(survivals):
+        B, tau = B + 1, tau + a
+        theta = tau * curve.sps(B)
+        ok = not stopped and theta > best
+        stopped = stopped or not ok
+        best = theta if ok else best
+        rows.append({"request": r, "position": j, "a": a, "B": B, "tau": tau, "theta": theta, "admitted": ok})
+    return rows
 
 
 def top_budget(survivals: list[list[float]], budget: int) -> list[int]:
@@ -402,7 +419,8 @@ class ServeResult:
         return {"policy": self.policy, "concurrency": self.concurrency, "requests": len(self.requests),
                 "tokens": self.tokens, "seconds": self.clock, "throughput": self.throughput,
                 "latency_mean": sum(lat) / max(len(lat), 1), "latency_p90": lat[int(0.9 * (len(lat) - 1))] if lat else 0,
-                "steps": len(steps), "verified_per_step": ver / max(len(steps), 1),
+                "steps": len(steps), "request_steps": sum(s.requests for s in steps),
+                "verified_per_step": ver / max(len(steps), 1),
                 "accepted_per_step": acc / max(len(steps), 1), "acceptance": acc / ver if ver else None,
                 "batch_tokens_mean": sum(s.batch_tokens for s in steps) / max(len(steps), 1),
                 "draft_s": sum(s.draft_s for s in steps), "verify_s": sum(s.verify_s for s in steps),
@@ -492,15 +510,13 @@ def serve(target, requests: list[Request], *, policy: str | Policy = "none", dra
         finished = [r for r in running if done(r.new, eos, r.req.max_new_tokens)]  # a first token may end it
         t0 = time.perf_counter()
         # 1. draft every running request (the full block, with its survivals)
-        drafts, surv = [], []
-        for r in running:
-            if r in finished or not pol.drafts:
-                drafts.append(None)
-                surv.append(None)
-                continue
-            d = fit_draft(r.drafter.propose(r.state), len(r.state.tokens) - 1, ctx)
-            drafts.append(d)
-            surv.append(None if d.confidence is None else d.confidence.tolist())
+        drafts, surv = [None] * len(running), [None] * len(running)
+        todo = [i for i, r in enumerate(running) if r not in finished and pol.drafts]
+        if todo:
+            proposed = type(drafter).propose_batch([running[i].drafter for i in todo], [running[i].state for i in todo])
+            for i, d in zip(todo, proposed):
+                drafts[i] = fit_draft(d, len(running[i].state.tokens) - 1, ctx)
+                surv[i] = None if d.confidence is None else drafts[i].confidence.tolist()
         t1 = time.perf_counter()
         # 2. the policy: a prefix length per request
         live = [i for i, r in enumerate(running) if r not in finished]
@@ -602,3 +618,229 @@ def expected_rate(survivals: list[list[float]], ell: list[int], curve: StepCurve
     """Theta = tau* x SPS(B) of prefix lengths ``ell``: tau* = sum_r (1 + sum_{j<=l_r} a_{r,j}), B = sum_r (1 + l_r)."""
     tau = sum(1 + sum(s[:n]) for s, n in zip(survivals, ell))
     return tau * curve.sps(sum(1 + n for n in ell))
+
+
+# =========================================================================== trace-driven simulator
+
+
+@dataclass
+class SimCosts:
+    """What a simulated step costs: ``curve`` = SPS(B) of the target, ``draft_s`` = one request's drafting per step,
+    ``prefill_s`` = one request's join (its prefill forward)."""
+
+    curve: StepCurve
+    draft_s: float
+    prefill_s: float
+
+
+def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, costs: SimCosts, *,
+             requests: int | None = None, max_new_tokens: int = 32) -> dict:
+    """A SIMULATION of the serving loop: ``requests`` requests (default 2 x concurrency) in a closed loop, request i
+    replaying acceptance trace ``traces[i % len(traces)]`` (each record: the full block's survivals and ``match`` =
+    how many of its tokens the target accepted when the whole block was verified), cycling through its records.
+    A step verifies l_r = the policy's prefix length and accepts min(l_r, match); it costs R x draft_s (when the
+    policy drafts) + seconds(B) of the step curve + a prefill per join. Returns the summary fields ``serve`` reports."""
+    pol = policy if isinstance(policy, Policy) else parse_policy(policy)
+    if not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
+    usable = [t for t in traces if t and all(r.get("match") is not None for r in t)]
+    if not usable:
+        raise ValueError("no usable traces: record them from a full-block run (policy fixed:gamma, record=True)")
+    n_req = requests or 2 * concurrency
+    queue = list(range(n_req))
+    running: list[dict] = []
+    clock, tokens, steps, verified, accepted, btok = 0.0, 0, 0, 0, 0, 0
+    while queue or running:
+        while queue and len(running) < concurrency:
+            i = queue.pop(0)
+            running.append({"trace": usable[i % len(usable)], "at": 0, "new": 1, "stale": None})
+            clock += costs.prefill_s
+            tokens += 1
+        recs = [r["trace"][r["at"] % len(r["trace"])] for r in running]
+        surv = [rec["survival"] for rec in recs]
+        lengths = [len(s) for s in surv]
+        ell = schedule(pol, surv, lengths, costs.curve, [r["stale"] for r in running]) if pol.drafts \
+            else [0] * len(running)
+        B = sum(1 + n for n in ell)
+        clock += (len(running) * costs.draft_s if pol.drafts else 0.0) + costs.curve.seconds(B)
+        steps, btok = steps + 1, btok + B
+        for r, rec, n in zip(running, recs, ell):
+            acc = min(n, rec["match"])
+            out = min(acc + 1, max_new_tokens - r["new"])
+            r["new"] += out
+            tokens += out
+            verified += n
+            accepted += acc
+            r["at"] += 1
+            r["stale"] = rec["survival"]
+        running = [r for r in running if r["new"] < max_new_tokens]
+    return {"policy": str(pol), "concurrency": concurrency, "requests": n_req, "tokens": tokens, "seconds": clock,
+            "throughput": tokens / clock, "steps": steps, "batch_tokens_mean": btok / steps,
+            "verified_per_step": verified / steps, "accepted_per_step": accepted / steps, "simulated": True}
+
+
+# =========================================================================== CLI: python -m specbook.serving
+
+
+def _load(model_name: str, dtype: str, kind: str):
+    from .drafters.dflash import BlockDrafter, load_block
+    from .models import load_model
+    from .train import CKPT_DIR
+
+    model, tok = load_model(model_name, dtype=dtype)
+    net, card = load_block(model, CKPT_DIR / kind, kind)
+    drafter = BlockDrafter(model, net, temperatures=card.get("calibration", {}).get("temperatures"))
+    return model, tok, drafter
+
+
+def eval_prompt_ids(tokenizer, n: int, max_prompt: int = 256) -> list[list[int]]:
+    """The first ``n`` eval prompts (chat template applied) of at most ``max_prompt`` tokens."""
+    from .decoding import encode
+    from .prompts import load_prompts
+
+    out = []
+    for p in load_prompts("eval"):
+        ids = encode(tokenizer, p["turns"][0])[0][0].tolist()
+        if len(ids) <= max_prompt:
+            out.append(ids)
+        if len(out) == n:
+            return out
+    raise ValueError(f"only {len(out)} eval prompts have <= {max_prompt} tokens; ask for fewer requests")
+
+
+def run_sweep(model, tokenizer, drafter, *, concurrencies, policies, max_new_tokens: int = 32,
+              temperature: float = 0.0, seed: int = 0, curve: StepCurve | None = None, progress: bool = True,
+              requests_per_level: int = 2, min_requests: int = 8) -> dict:
+    """Every policy at every concurrency on the same requests (``requests_per_level`` x c of the eval prompts, at
+    least ``min_requests``), policies interleaved per level; per-request traces recorded for the simulator."""
+    from .models import machine_info
+
+    for c in concurrencies:
+        if not isinstance(c, int) or c < 1:
+            raise ValueError(f"concurrency must be an int >= 1, got {c!r}")
+    pols = [parse_policy(p) for p in policies]
+    curve = curve or profile_step_curve(model, progress=progress)
+    sampling = SamplingConfig(temperature=temperature)
+    prompts = eval_prompt_ids(tokenizer, max(max(requests_per_level * c, min_requests) for c in concurrencies))
+    rows, traces = [], []
+    # warm-up: one short run of every policy (thread pools, allocations)
+    for p in pols:
+        serve(model, closed_loop(prompts[:2], 4), policy=p, drafter=drafter, concurrency=2, curve=curve,
+              sampling=sampling, generator=torch.Generator().manual_seed(seed))
+    for c in concurrencies:
+        reqs = closed_loop(prompts[:max(requests_per_level * c, min_requests)], max_new_tokens)
+        for p in pols:
+            res = serve(model, reqs, policy=p, drafter=drafter, concurrency=c, curve=curve, sampling=sampling,
+                        generator=torch.Generator().manual_seed(seed), record=True, progress=progress)
+            rows.append(res.summary())
+            if p.kind == "fixed" and p.k >= drafter.gamma:
+                traces += [[{"survival": [round(a, 4) for a in t["survival"]], "match": t["match"]} for t in r.trace]
+                           for r in res.requests]
+    return {"machine": machine_info(),
+            "settings": {"dtype": str(model.dtype).replace("torch.", ""), "max_new_tokens": max_new_tokens,
+                         "temperature": temperature, "seed": seed, "concurrencies": list(concurrencies),
+                         "policies": [str(p) for p in pols], "gamma": drafter.gamma,
+                         "requests_per_level": requests_per_level, "min_requests": min_requests,
+                         "threads": torch.get_num_threads()},
+            "curve": curve.to_json(), "rows": rows, "traces": traces}
+
+
+def sim_costs(result: dict) -> SimCosts:
+    """The simulator's costs from a sweep: its step curve, and the drafting / prefill seconds per request measured
+    in the real runs (means over the drafting runs and over all joins)."""
+    rows = result["rows"]
+    drafting = [r for r in rows if r["policy"] != "none"]
+    draft_s = sum(r["draft_s"] for r in drafting) / max(sum(r["request_steps"] for r in drafting), 1)
+    prefill_s = sum(r["prefill_s"] for r in rows) / max(sum(r["requests"] for r in rows), 1)
+    return SimCosts(StepCurve.from_json(result["curve"]), draft_s, prefill_s)
+
+
+def validate(result: dict) -> list[dict]:
+    """The simulator against every real run of a sweep: (concurrency, policy, real, simulated, relative error)."""
+    costs, out = sim_costs(result), []
+    mx = result["settings"]["max_new_tokens"]
+    for r in result["rows"]:
+        s = simulate(result["traces"], r["policy"], r["concurrency"], costs, requests=r["requests"],
+                     max_new_tokens=mx)
+        out.append({"concurrency": r["concurrency"], "policy": r["policy"], "real": r["throughput"],
+                    "simulated": s["throughput"], "error": s["throughput"] / r["throughput"] - 1})
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = ["concurrency", "policy", "throughput", "latency_mean", "batch_tokens_mean", "verified_per_step",
+            "accepted_per_step", "draft_s", "verify_s", "prefill_s"]
+    cols = [c for c in cols if c in rows[0]]
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    return "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] +
+                     ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows])
+
+
+def main(argv=None) -> None:
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m specbook.serving",
+                                 description="Serving benchmark: policies x concurrency on the target + DSpark, and "
+                                             "the trace-driven simulator.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("bench", help="real runs: every policy at every concurrency (JSON + markdown)")
+    b.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    b.add_argument("--policy", nargs="+", default=["none", "fixed:1", "fixed:3", "fixed:7", "threshold:0.3", "alg1",
+                                                   "vllm"])
+    b.add_argument("--model", default="smollm2-135m-instruct")
+    b.add_argument("--drafter", default="dspark", choices=["dspark"])
+    b.add_argument("--dtype", default="fast")
+    b.add_argument("--max-new-tokens", type=int, default=32)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", type=Path, default=None)
+    s = sub.add_parser("simulate", help="replay a bench JSON's traces at other concurrencies (a simulation)")
+    s.add_argument("bench_json", type=Path)
+    s.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    s.add_argument("--curve", type=Path, default=None, help="another step curve (JSON of StepCurve.to_json)")
+    s.add_argument("--out", type=Path, default=None)
+    p = sub.add_parser("profile", help="only the step curve SPS(B) of a target on this device (JSON)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="fast")
+    p.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    if a.cmd == "profile":
+        from .models import load_model, machine_info
+
+        model, _ = load_model(a.model, dtype=a.dtype)
+        a.out.write_text(json.dumps({"machine": machine_info(), **profile_step_curve(model, progress=True).to_json()},
+                                    indent=1))
+        return
+    if a.cmd == "bench":
+        model, tok, drafter = _load(a.model, a.dtype, a.drafter)
+        res = run_sweep(model, tok, drafter, concurrencies=a.concurrency, policies=a.policy,
+                        max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
+        import sys
+
+        res["settings"].update(model=a.model, drafter=a.drafter,
+                               command="python -m specbook.serving " + " ".join(argv if argv is not None else sys.argv[1:]))
+        res["validation"] = validate(res)
+        print(markdown(res["rows"]))
+        if a.out:
+            a.out.write_text(json.dumps(res, indent=1))
+        return
+    res = json.loads(a.bench_json.read_text())
+    costs = sim_costs(res)
+    if a.curve:
+        costs.curve = StepCurve.from_json(json.loads(a.curve.read_text()))
+    pols = res["settings"]["policies"]
+    rows = [simulate(res["traces"], pol, c, costs, max_new_tokens=res["settings"]["max_new_tokens"])
+            for c in a.concurrency for pol in pols]
+    print(markdown(rows))
+    if a.out:
+        a.out.write_text(json.dumps({"note": "SIMULATED: traces replayed against a measured step curve",
+                                     "source": str(a.bench_json), "costs": {"draft_s": costs.draft_s,
+                                                                          "prefill_s": costs.prefill_s,
+                                                                          "curve": costs.curve.to_json()},
+                                     "validation": validate(res), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

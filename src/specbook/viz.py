@@ -440,3 +440,63 @@ def dspark_widget(steps: list[dict], tokenizer, threshold: float = 0.3):
     return slider_widget({"threshold": w.FloatSlider(value=threshold, min=0.0, max=1.0, step=0.05,
                                                      description="threshold")},
                          lambda threshold: dspark_cut_view(steps, tokenizer, threshold))
+
+
+def plot_admission(ax, path: list[dict], base_theta: float) -> None:
+    """Algorithm 1's walk on one batch: Theta after each admitted candidate (in greedy order), the early stop's
+    choice and the full search's maximum."""
+    xs = list(range(len(path) + 1))
+    th = [base_theta] + [r["theta"] for r in path]
+    ax.plot(xs, th, "o-", color="0.4", ms=4, lw=1)
+    n_ok = sum(r["admitted"] for r in path)
+    ax.plot(xs[:n_ok + 1], th[:n_ok + 1], "o-", color="C2", ms=5, label=f"early stop: {n_ok} admitted")
+    best = max(range(len(th)), key=th.__getitem__)
+    ax.plot([best], [th[best]], "*", ms=14, color="C3", label=f"full search's maximum: {best} admitted")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(["none"] + [f"r{r['request']}·{r['position']}" for r in path], rotation=90, fontsize=7)
+    ax.set_xlabel("candidates (request · position) in descending survival")
+    ax.set_ylabel("Theta = tau* x SPS(B)  (tokens / s)")
+    ax.legend(fontsize=8)
+
+
+def serving_view(sweep: dict, concurrency: int = 16, policy: str = "alg1"):
+    """Throughput vs concurrency for every policy of a serving sweep (``serving.run_sweep`` JSON): real runs as
+    points, the trace-driven SIMULATION as lines up to 256; ``concurrency`` / ``policy`` highlighted. Returns (fig,
+    info)."""
+    import matplotlib.pyplot as plt
+
+    from .serving import sim_costs, simulate
+
+    costs = sim_costs(sweep)
+    mx = sweep["settings"]["max_new_tokens"]
+    levels = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, int(concurrency)})
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    sim = {}
+    for i, pol in enumerate(sweep["settings"]["policies"]):
+        sim[pol] = [simulate(sweep["traces"], pol, c, costs, max_new_tokens=mx)["throughput"] for c in levels]
+        real = [(r["concurrency"], r["throughput"]) for r in sweep["rows"] if r["policy"] == pol]
+        lw = 2.5 if pol == policy else 1
+        ax.plot(levels, sim[pol], "-", color=f"C{i}", lw=lw, alpha=0.8, label=f"{pol}")
+        ax.plot([c for c, _ in real], [t for _, t in real], "o", color=f"C{i}", ms=5)
+    ax.set_xscale("log", base=2)
+    ax.axvline(concurrency, color="0.6", ls=":")
+    ax.set_xlabel("concurrency (requests running at once)")
+    ax.set_ylabel("throughput (tokens / s)")
+    ax.set_title("points: real runs on this machine · lines: simulation from their traces", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    j = levels.index(int(concurrency))
+    none = sim["none"][j] if "none" in sim else float("nan")
+    info = (f"SIMULATED at concurrency {concurrency}: {policy} {sim[policy][j]:.1f} tok/s, no speculation "
+            f"{none:.1f} tok/s ({sim[policy][j] / none:.2f}x)")
+    return fig, info
+
+
+def serving_widget(sweep: dict, concurrency: int = 16, policy: str = "alg1"):
+    """Concurrency and policy selectors over ``serving_view`` (the simulation is re-run on every change)."""
+    import ipywidgets as w
+
+    return slider_widget({"concurrency": w.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                                                           value=concurrency, description="concurrency"),
+                          "policy": w.Dropdown(options=sweep["settings"]["policies"], value=policy,
+                                               description="policy")},
+                         lambda concurrency, policy: serving_view(sweep, concurrency, policy))

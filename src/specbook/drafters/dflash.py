@@ -623,29 +623,65 @@ class BlockDrafter(Drafter):
 
         return rate(k) > rate(k - 1)
 
-    @torch.inference_mode()
-    def propose(self, state: SpecState) -> DraftTree:
+    def _extend_context(self, state: SpecState) -> int:
+        """Step 1: the context K/V of the newly committed positions, per draft layer. Returns n = len(tokens)."""
         net, dev, dt = self.net, self.W.device, self.W.dtype
         n = len(state.tokens)  # the target has states for positions 0..n-2
         hid = state.target_hidden.to(dt)
         if n - 1 - hid.shape[0] != self.n_ctx:
             raise RuntimeError(f"block drafter has context up to {self.n_ctx} but new states start at "
                                f"{n - 1 - hid.shape[0]}: call begin() for a new sequence")
-        # 1. context K/V of the newly committed positions, per draft layer
         new = net.context_kv(net.context(hid[None]), torch.arange(self.n_ctx, n - 1, device=dev)[None])
         self.kv = new if self.kv is None else [(torch.cat([k0, k], 2), torch.cat([v0, v], 2))
                                                for (k0, v0), (k, v) in zip(self.kv, new)]
         self.n_ctx = n - 1
-        # 2. ONE forward over [anchor, mask x gamma]
-        g = self.gamma
+        return n
+
+    def _block_inputs(self, state: SpecState, n: int):
+        """[anchor, mask x gamma] embeddings [1, g + 1, H] and their positions [1, g + 1]."""
+        dev, dt, g = self.W.device, self.W.dtype, self.gamma
         emb = torch.cat([self.E(torch.tensor([[state.tokens[-1]]], device=dev)).to(dt),
-                         net.mask_embedding.to(dt).expand(1, g, -1)], 1)
-        h = net.block(emb, torch.arange(n - 1, n + g, device=dev)[None], self.kv)[0, 1:]  # [g, H]
+                         self.net.mask_embedding.to(dt).expand(1, g, -1)], 1)
+        return emb, torch.arange(n - 1, n + g, device=dev)[None]
+
+    @torch.inference_mode()
+    def propose(self, state: SpecState) -> DraftTree:
+        n = self._extend_context(state)
+        emb, pos = self._block_inputs(state, n)
+        h = self.net.block(emb, pos, self.kv)[0, 1:]  # 2. ONE forward over [anchor, mask x gamma] -> [g, H]
         self.forwards += 1
+        return self._draw(state, h)
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_batch(drafters: list["BlockDrafter"], states: list[SpecState]) -> list[DraftTree]:
+        """``propose`` for several sequences sharing one network: ONE block forward over all of them (context K/V
+        padded to the longest, padding masked out), then each sequence's tokens drawn as in ``propose``."""
+        if len({id(d.net) for d in drafters}) > 1 or len({d.gamma for d in drafters}) > 1:
+            return [d.propose(s) for d, s in zip(drafters, states)]
+        ns = [d._extend_context(s) for d, s in zip(drafters, states)]
+        inputs = [d._block_inputs(s, n) for d, s, n in zip(drafters, states, ns)]
+        emb, pos = torch.cat([e for e, _ in inputs]), torch.cat([p for _, p in inputs])
+        C, Q = max(d.n_ctx for d in drafters), emb.shape[1]
+        kv = []
+        for layer in range(len(drafters[0].net.layers)):
+            ks = [torch.nn.functional.pad(d.kv[layer][0], (0, 0, 0, C - d.n_ctx)) for d in drafters]
+            vs = [torch.nn.functional.pad(d.kv[layer][1], (0, 0, 0, C - d.n_ctx)) for d in drafters]
+            kv.append((torch.cat(ks), torch.cat(vs)))
+        ctx_ok = torch.arange(C)[None] < torch.tensor([d.n_ctx for d in drafters])[:, None]  # [R, C]
+        mask = torch.cat([ctx_ok, torch.ones(len(drafters), Q, dtype=torch.bool)], 1)[:, None, None]
+        h = drafters[0].net.block(emb, pos, kv, mask.expand(-1, 1, Q, -1).to(emb.device))[:, 1:]  # [R, g, H]
+        for d in drafters:
+            d.forwards += 1
+        return [d._draw(s, h[i]) for i, (d, s) in enumerate(zip(drafters, states))]
+
+    def _draw(self, state: SpecState, h: torch.Tensor) -> DraftTree:
+        """Step 3: h [g, H] the block's normed states -> tokens left to right (the Markov head reads x_{k-1}; the
+        survival a_k is known before x_k is drawn)."""
+        net, dev = self.net, self.W.device
         base = h @ self.W.T  # [g, Vd]
-        # 3. tokens left to right: the Markov head reads x_{k-1}; the survival a_k is known before x_k is drawn
         toks, qs, a, zs, temps, prev = [], [], [], [], self._temps(state.sampling), state.tokens[-1]
-        for k in range(1, g + 1):
+        for k in range(1, self.gamma + 1):
             logits = base[k - 1]
             if net.rank:
                 w1 = net.markov(torch.tensor(prev, device=dev))
