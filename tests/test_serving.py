@@ -292,3 +292,21 @@ def test_block_drafter_batched_proposals_match_one_at_a_time(target):
         torch.testing.assert_close(x.q, y.q, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(x.confidence, y.confidence, atol=1e-5, rtol=1e-4)
     assert all(d.forwards == 1 for d in together)
+
+
+def test_simulate_cli_on_the_committed_sweep(tmp_path, capsys):
+    """`python -m specbook.serving simulate` on the committed sweep: a table, and a JSON labelled as a simulation
+    whose concurrency-1 rows come within the validation's reach of the real runs."""
+    import json
+
+    from specbook.report import ROOT
+
+    src = ROOT / "docs" / "bench" / "cpu_serving_t0.json"
+    out = tmp_path / "sim.json"
+    S.main(["simulate", str(src), "--concurrency", "1", "64", "--out", str(out)])
+    assert "| concurrency | policy | throughput" in capsys.readouterr().out
+    sim = json.loads(out.read_text())
+    sweep = json.loads(src.read_text())
+    assert sim["note"].startswith("SIMULATED") and len(sim["rows"]) == 2 * len(sweep["settings"]["policies"])
+    assert all(r["simulated"] and r["throughput"] > 0 for r in sim["rows"])
+    assert len(sim["validation"]) == len(sweep["rows"])

@@ -464,119 +464,136 @@ def serve(target, requests: list[Request], *, policy: str | Policy = "none", dra
     check_drafter(pol, drafter)
     if not requests:
         raise ValueError("serve() got no requests")
-    ctx = context_length(target)
     for r in requests:
         check_request(target, torch.zeros(1, len(r.prompt), dtype=torch.long), r.max_new_tokens, sampling, generator)
-    eos = eos_set(eos_token_id, target)
-    dev = target.device
-    hidden = bool(drafter is not None and pol.drafts and drafter.needs_hidden)
-    kv = PackedCache(target)
+    loop = _Loop(target, pol, drafter, curve, sampling, generator, eos_set(eos_token_id, target), record)
     queue = sorted(requests, key=lambda r: (r.arrival, r.rid))
-    running: list[Running] = []
-    results: list[RequestResult] = []
-    steps: list[StepRecord] = []
-    clock = 0.0
     bar = tqdm(total=len(requests), desc=f"serve {pol} c={concurrency}", disable=not progress)
+    while queue or loop.running:
+        loop.step(queue, concurrency)
+        bar.update(loop.leave())
+    bar.close()
+    loop.results.sort(key=lambda x: x.rid)
+    return ServeResult(str(pol), concurrency, loop.results, loop.steps, loop.clock)
 
-    def join(req: Request) -> float:
+
+class _Loop:
+    """The state of one ``serve`` call; ``step`` runs steps 0-4 of the module docstring, ``leave`` step 5."""
+
+    def __init__(self, target, pol: Policy, drafter, curve, sampling, generator, eos, record: bool):
+        self.target, self.pol, self.drafter, self.curve = target, pol, drafter, curve
+        self.sampling, self.generator, self.eos, self.record = sampling, generator, eos, record
+        self.hidden = bool(drafter is not None and pol.drafts and drafter.needs_hidden)
+        self.kv = PackedCache(target)
+        self.ctx = context_length(target)
+        self.running: list[Running] = []
+        self.results: list[RequestResult] = []
+        self.steps: list[StepRecord] = []
+        self.clock = 0.0
+
+    def _forward(self, segments, **kw):
+        ids, pos, mask, q_owner = self.kv.inputs(segments)
+        out = self.target(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(self.kv.cache),
+                          use_cache=True, output_hidden_states=self.hidden, **kw)
+        return out, self.kv.appended(q_owner)
+
+    def join(self, req: Request) -> float:
+        """Step 0 for one request: its prefill forward, its first token, its drafter begun. Returns its seconds."""
         t0 = time.perf_counter()
-        ids, pos, mask, q_owner = kv.inputs([(req.rid, req.prompt, 0)])
-        out = target(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(kv.cache), use_cache=True,
-                     output_hidden_states=hidden)
-        kv.appended(q_owner)
-        first = int(sample(probs_from(out.logits[0, -1], sampling), generator))
-        state = SpecState(tokens=req.prompt + [first], prompt_len=len(req.prompt), sampling=sampling,
-                          generator=generator, target=target,
-                          target_hidden=drafter_hidden(out, drafter)[0] if hidden else None)
+        out, _ = self._forward([(req.rid, req.prompt, 0)], logits_to_keep=1)  # the prompt's last position only
+        first = int(sample(probs_from(out.logits[0, -1], self.sampling), self.generator))
+        state = SpecState(tokens=req.prompt + [first], prompt_len=len(req.prompt), sampling=self.sampling,
+                          generator=self.generator, target=self.target,
+                          target_hidden=drafter_hidden(out, self.drafter)[0] if self.hidden else None)
         d = None
-        if drafter is not None and pol.drafts:
-            d = copy.copy(drafter)
+        if self.drafter is not None and self.pol.drafts:
+            d = copy.copy(self.drafter)
             d.begin(state)
         stats = SpecStats(rows=1)
         stats.target_forwards = 1
-        sync(dev)
+        sync(self.target.device)
         dt = time.perf_counter() - t0
-        running.append(Running(req, state, d, stats, [first], len(req.prompt), clock + dt))
+        self.running.append(Running(req, state, d, stats, [first], len(req.prompt), self.clock + dt))
         return dt
 
-    while queue or running:
+    def draft(self, live: list[int]) -> tuple[list, list]:
+        """Step 1: every live request's full block (cut to the context) and its survivals."""
+        drafts, surv = [None] * len(self.running), [None] * len(self.running)
+        if live and self.pol.drafts:
+            rs = [self.running[i] for i in live]
+            for i, d in zip(live, type(self.drafter).propose_batch([r.drafter for r in rs], [r.state for r in rs])):
+                drafts[i] = fit_draft(d, len(self.running[i].state.tokens) - 1, self.ctx)
+                surv[i] = None if drafts[i].confidence is None else drafts[i].confidence.tolist()
+        return drafts, surv
+
+    def step(self, queue: list[Request], concurrency: int) -> None:
         # 0. joins: requests that have arrived, while there is room (skip an idle gap to the next arrival)
-        if not running and queue and queue[0].arrival > clock:
-            clock = queue[0].arrival
+        if not self.running and queue and queue[0].arrival > self.clock:
+            self.clock = queue[0].arrival
         prefill_s = 0.0
-        while queue and len(running) < concurrency and queue[0].arrival <= clock + prefill_s:
-            prefill_s += join(queue.pop(0))
-        clock += prefill_s
-        finished = [r for r in running if done(r.new, eos, r.req.max_new_tokens)]  # a first token may end it
+        while queue and len(self.running) < concurrency and queue[0].arrival <= self.clock + prefill_s:
+            prefill_s += self.join(queue.pop(0))
+        self.clock += prefill_s
+        live = [i for i, r in enumerate(self.running) if not done(r.new, self.eos, r.req.max_new_tokens)]
         t0 = time.perf_counter()
-        # 1. draft every running request (the full block, with its survivals)
-        drafts, surv = [None] * len(running), [None] * len(running)
-        todo = [i for i, r in enumerate(running) if r not in finished and pol.drafts]
-        if todo:
-            proposed = type(drafter).propose_batch([running[i].drafter for i in todo], [running[i].state for i in todo])
-            for i, d in zip(todo, proposed):
-                drafts[i] = fit_draft(d, len(running[i].state.tokens) - 1, ctx)
-                surv[i] = None if d.confidence is None else drafts[i].confidence.tolist()
+        # 1. draft every live request (the full block, with its survivals)
+        drafts, surv = self.draft(live)
         t1 = time.perf_counter()
         # 2. the policy: a prefix length per request
-        live = [i for i, r in enumerate(running) if r not in finished]
         lengths = [len(drafts[i]) if drafts[i] is not None else 0 for i in live]
-        ell = schedule(pol, [surv[i] for i in live], lengths, curve,
-                       [running[i].stale for i in live]) if pol.drafts else [0] * len(live)
-        # 3. ONE packed forward over every live request's [newest token] + its first l_r draft tokens
-        segs, cut = [], {}
-        for i, n in zip(live, ell):
-            r = running[i]
-            d = drafts[i].truncate_depth(n) if drafts[i] is not None else None
-            cut[i] = d
-            segs.append((r.req.rid, [r.state.tokens[-1]] + (d.tokens.tolist() if d is not None else []), r.pos))
-        emitted_n = accepted_n = 0
-        if segs:
-            ids, pos, mask, q_owner = kv.inputs(segs)
-            out = target(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(kv.cache), use_cache=True,
-                         output_hidden_states=hidden)
-            start = kv.appended(q_owner)
-            hs = drafter_hidden(out, running[live[0]].drafter)[0] if hidden else None
-            # 4. verify each request on its own logits; rejected slots become holes; commit
-            off = 0
-            for i, (_, toks, _) in zip(live, segs):
-                r, d = running[i], cut[i]
-                d = d if d is not None else _EMPTY
-                res = accept(out.logits[0, off:off + len(toks)], d, sampling, generator)
-                kv.drop(start + off + 1 + res.n_accepted, start + off + len(toks))
-                if hidden:
-                    r.state.target_hidden = hs[off:off + 1 + res.n_accepted]
-                r.pos += 1 + res.n_accepted
-                before = len(r.new)
-                commit_step(r.state, r.new, r.drafter or _NO_DRAFTER, d, res, eos, r.req.max_new_tokens, r.stats)
-                r.stats.target_forwards += 1
-                emitted_n += len(r.new) - before
-                accepted_n += res.n_accepted
-                r.verified += len(d)
-                r.accepted += res.n_accepted
-                if record:
-                    r.trace.append({"survival": surv[i], "drafted": len(drafts[i]) if drafts[i] is not None else 0,
-                                    "verified": len(d), "accepted": res.n_accepted,
-                                    "match": _match_length(drafts[i], res, len(d)), "emitted": len(r.new) - before})
-                r.stale = surv[i]
-                off += len(toks)
-            sync(dev)
+        ell = schedule(self.pol, [surv[i] for i in live], lengths, self.curve,
+                       [self.running[i].stale for i in live]) if self.pol.drafts else [0] * len(live)
+        # 3. + 4. one packed forward, each request verified on its own logits
+        cut = {i: drafts[i].truncate_depth(n) if drafts[i] is not None else _EMPTY for i, n in zip(live, ell)}
+        emitted, accepted, B = self.verify(live, cut, drafts, surv)
         t2 = time.perf_counter()
-        clock += t2 - t0
-        steps.append(StepRecord(clock, len(segs), sum(len(s[1]) for s in segs), sum(lengths), sum(ell), accepted_n,
-                                emitted_n, t1 - t0, t2 - t1, prefill_s))
-        # 5. finished requests leave; compact the cache when holes dominate it
-        for r in [r for r in running if done(r.new, eos, r.req.max_new_tokens)]:
-            running.remove(r)
-            kv.release(r.req.rid)
-            results.append(RequestResult(r.req.rid, r.new, r.req.arrival, r.first_token_at, clock,
-                                         r.stats.target_forwards - 1, r.verified, r.accepted, r.trace))
-            bar.update(1)
-        if kv.holes > max(64, len(kv.owner) // 2):
-            kv.compact()
-    bar.close()
-    results.sort(key=lambda x: x.rid)
-    return ServeResult(str(pol), concurrency, results, steps, clock)
+        self.clock += t2 - t0
+        self.steps.append(StepRecord(self.clock, len(live), B, sum(lengths), sum(ell), accepted, emitted, t1 - t0,
+                                     t2 - t1, prefill_s))
+
+    def verify(self, live: list[int], cut: dict, drafts: list, surv: list) -> tuple[int, int, int]:
+        """Steps 3-4: ONE packed forward over every live request's [newest token] + its cut draft; per request the
+        shared verify core, rejected slots as holes, commit. Returns (emitted, accepted, batch tokens B)."""
+        segs = [(self.running[i].req.rid, [self.running[i].state.tokens[-1]] + cut[i].tokens.tolist(),
+                 self.running[i].pos) for i in live]
+        if not segs:
+            return 0, 0, 0
+        out, start = self._forward(segs)
+        hs = drafter_hidden(out, self.drafter)[0] if self.hidden else None
+        emitted = accepted = off = 0
+        for i, (_, toks, _) in zip(live, segs):
+            r, d = self.running[i], cut[i]
+            res = accept(out.logits[0, off:off + len(toks)], d, self.sampling, self.generator)
+            self.kv.drop(start + off + 1 + res.n_accepted, start + off + len(toks))
+            if self.hidden:
+                r.state.target_hidden = hs[off:off + 1 + res.n_accepted]
+            r.pos += 1 + res.n_accepted
+            before = len(r.new)
+            commit_step(r.state, r.new, r.drafter or _NO_DRAFTER, d, res, self.eos, r.req.max_new_tokens, r.stats)
+            r.stats.target_forwards += 1
+            emitted, accepted = emitted + len(r.new) - before, accepted + res.n_accepted
+            r.verified, r.accepted = r.verified + len(d), r.accepted + res.n_accepted
+            if self.record:
+                r.trace.append({"survival": surv[i], "drafted": len(drafts[i]) if drafts[i] is not None else 0,
+                                "verified": len(d), "accepted": res.n_accepted,
+                                "match": _match_length(drafts[i], res, len(d)), "emitted": len(r.new) - before})
+            r.stale = surv[i]
+            off += len(toks)
+        sync(self.target.device)
+        return emitted, accepted, off
+
+    def leave(self) -> int:
+        """Step 5: finished requests leave (their slots become holes); the cache is compacted when holes dominate.
+        Returns how many left."""
+        gone = [r for r in self.running if done(r.new, self.eos, r.req.max_new_tokens)]
+        for r in gone:
+            self.running.remove(r)
+            self.kv.release(r.req.rid)
+            self.results.append(RequestResult(r.req.rid, r.new, r.req.arrival, r.first_token_at, self.clock,
+                                              r.stats.target_forwards - 1, r.verified, r.accepted, r.trace))
+        if self.kv.holes > max(64, len(self.kv.owner) // 2):
+            self.kv.compact()
+        return len(gone)
 
 
 class _NoDrafter(Drafter):
@@ -778,7 +795,6 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
     import argparse
-    import json
     from pathlib import Path
 
     ap = argparse.ArgumentParser(prog="python -m specbook.serving",
@@ -806,40 +822,49 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="fast")
     p.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
-    if a.cmd == "profile":
-        from .models import load_model, machine_info
+    {"profile": _cmd_profile, "bench": _cmd_bench, "simulate": _cmd_simulate}[a.cmd](a, argv)
 
-        model, _ = load_model(a.model, dtype=a.dtype)
-        a.out.write_text(json.dumps({"machine": machine_info(), **profile_step_curve(model, progress=True).to_json()},
-                                    indent=1))
-        return
-    if a.cmd == "bench":
-        model, tok, drafter = _load(a.model, a.dtype, a.drafter)
-        res = run_sweep(model, tok, drafter, concurrencies=a.concurrency, policies=a.policy,
-                        max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
-        import sys
 
-        res["settings"].update(model=a.model, drafter=a.drafter,
-                               command="python -m specbook.serving " + " ".join(argv if argv is not None else sys.argv[1:]))
-        res["validation"] = validate(res)
-        print(markdown(res["rows"]))
-        if a.out:
-            a.out.write_text(json.dumps(res, indent=1))
-        return
+def _cmd_profile(a, argv) -> None:
+    import json
+
+    from .models import load_model, machine_info
+
+    model, _ = load_model(a.model, dtype=a.dtype)
+    a.out.write_text(json.dumps({"machine": machine_info(), **profile_step_curve(model, progress=True).to_json()},
+                                indent=1))
+
+
+def _cmd_bench(a, argv) -> None:
+    import json
+    import sys
+
+    model, tok, drafter = _load(a.model, a.dtype, a.drafter)
+    res = run_sweep(model, tok, drafter, concurrencies=a.concurrency, policies=a.policy,
+                    max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
+    res["settings"].update(model=a.model, drafter=a.drafter,
+                           command="python -m specbook.serving " + " ".join(argv if argv is not None else sys.argv[1:]))
+    res["validation"] = validate(res)
+    print(markdown(res["rows"]))
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1))
+
+
+def _cmd_simulate(a, argv) -> None:
+    import json
+
     res = json.loads(a.bench_json.read_text())
     costs = sim_costs(res)
     if a.curve:
         costs.curve = StepCurve.from_json(json.loads(a.curve.read_text()))
-    pols = res["settings"]["policies"]
     rows = [simulate(res["traces"], pol, c, costs, max_new_tokens=res["settings"]["max_new_tokens"])
-            for c in a.concurrency for pol in pols]
+            for c in a.concurrency for pol in res["settings"]["policies"]]
     print(markdown(rows))
     if a.out:
         a.out.write_text(json.dumps({"note": "SIMULATED: traces replayed against a measured step curve",
-                                     "source": str(a.bench_json), "costs": {"draft_s": costs.draft_s,
-                                                                          "prefill_s": costs.prefill_s,
-                                                                          "curve": costs.curve.to_json()},
-                                     "validation": validate(res), "rows": rows}, indent=1))
+                                     "source": str(a.bench_json), "validation": validate(res), "rows": rows,
+                                     "costs": {"draft_s": costs.draft_s, "prefill_s": costs.prefill_s,
+                                               "curve": costs.curve.to_json()}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -696,13 +696,14 @@ class BlockDrafter(Drafter):
             i = int(q.argmax()) if state.sampling.greedy else int(sample(q, state.generator))
             prev = int(net.vocab[i])
             toks.append(prev)
-            qs.append(torch.zeros(self.V, device=q.device).index_copy_(0, net.vocab, q))
+            qs.append(q)
         self.survival.append(a)
         self.confidence_logits.append(zs)
         if not toks:
             return DraftTree.chain(torch.zeros(0, dtype=torch.long), torch.zeros(0, self.V))
         t = torch.tensor(toks, dtype=torch.long)
-        return DraftTree(t, torch.arange(-1, len(toks) - 1), torch.stack(qs),
+        q_full = torch.zeros(len(qs), self.V, device=dev).index_copy_(1, net.vocab, torch.stack(qs))  # [n, V]
+        return DraftTree(t, torch.arange(-1, len(toks) - 1), q_full,
                          confidence=torch.tensor(a[:len(toks)]) if a else None)
 
 
