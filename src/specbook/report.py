@@ -75,7 +75,7 @@ def category_table(d: dict) -> str:
 def serving_section(name: str, d: dict) -> str:
     """A serving sweep (``python -m specbook.serving bench``): every policy at every concurrency, and how close the
     trace-driven simulator comes to those real runs."""
-    from .serving import markdown
+    from .serving import markdown, validate
 
     s, m = d["settings"], d["machine"]
     head = (f"## {name}\n\n{m.get('cpu', m.get('platform', '?'))}, {s.get('threads', '?')} threads, {s['dtype']}, "
@@ -83,7 +83,7 @@ def serving_section(name: str, d: dict) -> str:
             f"{s['min_requests']}) requests x {s['max_new_tokens']} tokens, temperature {s['temperature']}\n\n"
             f"`{s.get('command', 'run_sweep(...) from Python')}`\n")
     rows = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in d["rows"]]
-    errs = sorted(abs(v["error"]) for v in d.get("validation", []))
+    errs = sorted(abs(v["error"]) for v in validate(d))
     sim = (f"Simulator (`serving.simulate`, the same traces and costs) against these runs: median error "
            f"{100 * errs[len(errs) // 2]:.1f}%, worst {100 * errs[-1]:.1f}% over {len(errs)} runs.\n") if errs else ""
     return head + "\n" + markdown(rows) + "\n\n" + sim

@@ -643,11 +643,13 @@ def expected_rate(survivals: list[list[float]], ell: list[int], curve: StepCurve
 @dataclass
 class SimCosts:
     """What a simulated step costs: ``curve`` = SPS(B) of the target, ``draft_s`` = one request's drafting per step,
-    ``prefill_s`` = one request's join (its prefill forward)."""
+    ``prefill_s`` = one request's join (its prefill forward), ``request_s`` = what each running request adds to a
+    step beyond seconds(B) (its verification, bookkeeping and attention over its own cache)."""
 
     curve: StepCurve
     draft_s: float
     prefill_s: float
+    request_s: float = 0.0
 
 
 def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, costs: SimCosts, *,
@@ -656,7 +658,8 @@ def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, c
     replaying acceptance trace ``traces[i % len(traces)]`` (each record: the full block's survivals and ``match`` =
     how many of its tokens the target accepted when the whole block was verified), cycling through its records.
     A step verifies l_r = the policy's prefix length and accepts min(l_r, match); it costs R x draft_s (when the
-    policy drafts) + seconds(B) of the step curve + a prefill per join. Returns the summary fields ``serve`` reports."""
+    policy drafts) + seconds(B) of the step curve + R x request_s + a prefill per join. Returns the summary fields
+    ``serve`` reports."""
     pol = policy if isinstance(policy, Policy) else parse_policy(policy)
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
@@ -679,7 +682,8 @@ def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, c
         ell = schedule(pol, surv, lengths, costs.curve, [r["stale"] for r in running]) if pol.drafts \
             else [0] * len(running)
         B = sum(1 + n for n in ell)
-        clock += (len(running) * costs.draft_s if pol.drafts else 0.0) + costs.curve.seconds(B)
+        clock += (len(running) * costs.draft_s if pol.drafts else 0.0) + costs.curve.seconds(B) + \
+            len(running) * costs.request_s
         steps, btok = steps + 1, btok + B
         for r, rec, n in zip(running, recs, ell):
             acc = min(n, rec["match"])
@@ -763,13 +767,18 @@ def run_sweep(model, tokenizer, drafter, *, concurrencies, policies, max_new_tok
 
 
 def sim_costs(result: dict) -> SimCosts:
-    """The simulator's costs from a sweep: its step curve, and the drafting / prefill seconds per request measured
-    in the real runs (means over the drafting runs and over all joins)."""
+    """The simulator's costs from a sweep: its step curve, the drafting / prefill seconds per request measured in the
+    real runs (means over the drafting runs and over all joins), and the per-request step overhead beyond the curve
+    (median over the runs)."""
     rows = result["rows"]
     drafting = [r for r in rows if r["policy"] != "none"]
     draft_s = sum(r["draft_s"] for r in drafting) / max(sum(r["request_steps"] for r in drafting), 1)
     prefill_s = sum(r["prefill_s"] for r in rows) / max(sum(r["requests"] for r in rows), 1)
-    return SimCosts(StepCurve.from_json(result["curve"]), draft_s, prefill_s)
+    curve = StepCurve.from_json(result["curve"])
+    # each run's verify time beyond its steps' seconds(B), per running request and step; the median over runs
+    extra = sorted(max(0.0, r["verify_s"] - r["steps"] * curve.seconds(r["batch_tokens_mean"])) / r["request_steps"]
+                   for r in rows if r["request_steps"])
+    return SimCosts(curve, draft_s, prefill_s, extra[len(extra) // 2] if extra else 0.0)
 
 
 def validate(result: dict) -> list[dict]:
@@ -844,8 +853,7 @@ def _cmd_bench(a, argv) -> None:
                     max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
     res["settings"].update(model=a.model, drafter=a.drafter,
                            command="python -m specbook.serving " + " ".join(argv if argv is not None else sys.argv[1:]))
-    res["validation"] = validate(res)
-    print(markdown(res["rows"]))
+    print(markdown(res["rows"]))  # the simulator's validation is derived from it: serving.validate(res)
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
 
