@@ -613,22 +613,14 @@ _EMPTY = _empty_draft()
 
 
 def _match_length(full, res, verified: int) -> int | None:
-    """How many tokens of the full block the target would have accepted, when this step tells: a rejection inside
-    the verified prefix (= accepted), or the whole verified prefix accepted and nothing beyond it verified (unknown
-    beyond: None) -- except when the whole block was verified."""
+    """How many tokens of the full drafted block the target accepts, when this step tells: the accepted count if
+    it rejected a token inside the verified prefix or the whole block was verified; None (unknown) when the verified
+    prefix was all accepted and the rest of the block was never verified."""
     if full is None:
         return 0
     if res.n_accepted < verified or verified == len(full):
         return res.n_accepted
     return None
-
-
-def ar_reference(target, request: Request, *, eos_token_id=None) -> list[int]:
-    """That request alone through plain greedy decoding (``decoding.generate``): what the loop must reproduce at T = 0."""
-    from .decoding import generate
-
-    ids = torch.tensor([request.prompt], device=target.device)
-    return generate(target, ids, max_new_tokens=request.max_new_tokens, eos_token_id=eos_token_id).tokens[0]
 
 
 def expected_rate(survivals: list[list[float]], ell: list[int], curve: StepCurve) -> float:
