@@ -1,3 +1,5 @@
+import math
+
 import pytest
 from transformers import LlamaConfig
 
@@ -90,3 +92,32 @@ def test_median_seconds_warms_up_resets_and_takes_the_median():
     calls, resets = [], []
     t = median_seconds(lambda: calls.append(1), repeats=3, reset=lambda: resets.append(1))
     assert len(calls) == 4 and len(resets) == 4 and 0 <= t < 0.1
+
+
+def test_sram_machines_have_sources_capacity_and_a_low_ridge():
+    for name, acc in rl.SRAM_DATASHEET.items():
+        assert acc.memory_gb and acc.bandwidth_gbs > 0 and acc.tflops_bf16 > 0 and name.split()[0] in acc.source
+        # the SRAM machines' ridge sits left of ~10 FLOP/byte, every HBM GPU's right of 100: verification is no
+        # longer free after a handful of tokens
+        assert rl.ridge_point(acc.bandwidth_gbs, acc.tflops_bf16) < 10
+    assert all(rl.ridge_point(a.bandwidth_gbs, a.tflops_bf16) > 100 for a in rl.DATASHEET.values())
+
+
+def test_chips_needed_counts_sram_capacity():
+    p = rl.param_counts(rl.LLAMA_70B)
+    params = p["layers"] + p["embedding"] + p["lm_head"]
+    assert 70e9 < params < 71e9  # Llama-3.1-70B's published size
+    groq = rl.SRAM_DATASHEET["Groq LPU"]
+    assert rl.chips_needed(params, 2, groq) == math.ceil(params * 2 / 0.23e9)
+    assert rl.chips_needed(params, 2, rl.DATASHEET["H100 SXM"]) == 1  # HBM: capacity not modelled
+
+
+def test_roofline_latency_is_flat_left_of_the_ridge_and_linear_right_of_it():
+    lat = rl.roofline_latency(rl.LLAMA_70B, rl.DATASHEET["H100 SXM"], ks=(1, 8, 64))
+    assert lat[64] / lat[1] < 1.1  # far left of the H100's ridge: 64 tokens cost about one
+    lat = rl.roofline_latency(rl.LLAMA_70B, rl.SRAM_DATASHEET["Groq LPU"], ks=(1, 32, 64))
+    assert 1.9 < lat[64] / lat[32] < 2.1  # compute bound: twice the tokens, twice the time
+    # and a speculative step priced by it pays less where verification is dear
+    fast = rl.speedup_with_latency(0.8, 7, 0.05, rl.roofline_latency(rl.LLAMA_70B, rl.DATASHEET["H100 SXM"]))
+    sram = rl.speedup_with_latency(0.8, 7, 0.05, rl.roofline_latency(rl.LLAMA_70B, rl.SRAM_DATASHEET["Groq LPU"]))
+    assert sram < fast

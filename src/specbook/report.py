@@ -54,10 +54,15 @@ def main_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def category_key(c: str) -> tuple:
+    """Categories in order: numeric ones (context lengths) by value, then the rest by name."""
+    return (0, int(c), "") if c.isdigit() else (1, 0, c)
+
+
 def category_table(d: dict) -> str:
     """speedup (tau) per category (rows) and method (columns)."""
     methods = [r["method"] for r in d["rows"] if r["method"] != "ar"]
-    cats = sorted({r["category"] for r in d.get("by_category", [])})
+    cats = sorted({r["category"] for r in d.get("by_category", [])}, key=category_key)
     if not cats or not methods:
         return ""
     by = {(r["category"], r["method"]): r for r in d["by_category"]}

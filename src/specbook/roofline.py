@@ -9,8 +9,10 @@ barely changes bytes: until k*B reaches the ridge, it costs about one step.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -23,6 +25,7 @@ class Accelerator:
     bandwidth_gbs: float  # memory bandwidth, GB/s
     tflops_bf16: float  # dense bf16/fp16 tensor throughput, TFLOP/s (no sparsity)
     source: str
+    memory_gb: float | None = None  # on-chip memory per chip where weights must live (the SRAM machines)
 
 
 # Datasheet figures (dense, no structured sparsity). Sources are the vendors' own pages/PDFs.
@@ -37,6 +40,22 @@ DATASHEET: dict[str, Accelerator] = {
     "RTX 4090": Accelerator("RTX 4090", 1008, 165.2, "NVIDIA Ada Lovelace architecture whitepaper, RTX 4090 "
                             "(1,008 GB/s GDDR6X; BF16 tensor 165.2 TFLOPS dense, FP32 accumulate)"),
 }
+
+# The other axis: machines that keep the weights in on-chip SRAM instead of HBM. One chip holds little, so a
+# model is split over many chips (a pipeline); one token still streams through every chip's weights in turn,
+# so the batch-1 bound is total bytes / one chip's bandwidth. Interconnect between chips is ignored.
+SRAM_DATASHEET: dict[str, Accelerator] = {
+    "Groq LPU": Accelerator("Groq LPU", 80_000, 188, "Groq GroqChip / GroqCard product brief (230 MB on-die SRAM, "
+                            "up to 80 TB/s on-die memory bandwidth; 188 TFLOPS FP16, 750 TOPS INT8)", memory_gb=0.23),
+    "Cerebras WSE-3": Accelerator("Cerebras WSE-3", 21_000_000, 125_000,
+                                  "Cerebras WSE-3 / CS-3 announcement, March 2024 (44 GB on-chip SRAM, 21 PB/s memory "
+                                  "bandwidth, 125 PFLOPS peak AI compute as stated: no dense figure is published, so "
+                                  "this is an upper bound)", memory_gb=44),
+}
+
+# A 70B model's shape for the tables (Llama-3.1-70B's config.json), priced by decode_step_cost like our model.
+LLAMA_70B = SimpleNamespace(hidden_size=8192, num_hidden_layers=80, intermediate_size=28672, num_attention_heads=64,
+                            num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False)
 
 
 # --------------------------------------------------------------------------- measurements
@@ -143,6 +162,24 @@ def decode_step_cost(config, batch: int = 1, k: int = 1, context: int = 512, byt
 def bound_tokens_per_s(params: float, bytes_per_param: float, bandwidth_gbs: float) -> float:
     """Upper bound on batch-1 decode speed: one full read of the weights per token."""
     return bandwidth_gbs * 1e9 / (params * bytes_per_param)
+
+
+def chips_needed(params: float, bytes_per_param: float, acc: Accelerator) -> int:
+    """Chips whose on-chip memory holds the weights (1 for an HBM device: ``memory_gb`` unset)."""
+    return 1 if acc.memory_gb is None else math.ceil(params * bytes_per_param / (acc.memory_gb * 1e9))
+
+
+def roofline_latency(config, acc: Accelerator, ks=(1, 2, 4, 8, 16, 32, 64), context: int = 512,
+                     bytes_per_param: float = 2.0) -> dict[int, float]:
+    """The roofline's price of one forward over k tokens, {k: seconds} = max(bytes / bandwidth, FLOPs / peak):
+    flat while k is left of the ridge point (verification almost free), linear in k right of it. The same
+    shape ``speedup_with_latency`` takes from a measured curve."""
+    out = {}
+    for k in ks:
+        c = decode_step_cost(config, k=int(k), context=context, bytes_per_param=bytes_per_param,
+                             bytes_per_kv=bytes_per_param)
+        out[int(k)] = max(c.bytes / (acc.bandwidth_gbs * 1e9), c.flops / (acc.tflops_bf16 * 1e12))
+    return out
 
 
 def attainable_tflops(intensity: float, bandwidth_gbs: float, peak_tflops: float) -> float:
