@@ -820,6 +820,14 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def write_result(res: dict, path: str | Path | None) -> None:
+    """Write a run's JSON to ``path`` (folders made as needed); nothing when ``path`` is None."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(res, indent=1))
+        print(f"wrote {path}")
+
+
 def main(argv=None):
     from .prompts import load_prompts
 
@@ -855,10 +863,7 @@ def main(argv=None):
     res["settings"]["command"] = "python -m specbook.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     res["settings"]["prompts_source"] = a.prompts
     print(markdown_table(res))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(res, indent=1))
-        print(f"wrote {a.json}")
+    write_result(res, a.json)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ stop working.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -72,7 +70,7 @@ def context_cost(model, contexts: list[int], ks=(1, 8, 32, 64), repeats: int = 2
 
 
 def main(argv=None):
-    from .bench import markdown_table, run_bench
+    from .bench import markdown_table, run_bench, write_result
     from .models import load_model
     from .specbench import METHODS
 
@@ -95,10 +93,7 @@ def main(argv=None):
     res["context_cost_s"] = {str(c): {str(k): v for k, v in d.items()} for c, d in context_cost(
         model, lengths, ks=[int(x) for x in a.cost_k.split(",")]).items()}
     print(markdown_table(res))
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=1))
-        print(f"wrote {a.out}")
+    write_result(res, a.out)
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def leaderboard_markdown(result: dict) -> str:
 
 
 def main(argv=None):
-    from .bench import run_bench
+    from .bench import run_bench, write_result
 
     ap = argparse.ArgumentParser(prog="python -m specbook.specbench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--questions", default=os.environ.get("SPECBOOK_SPEC_BENCH"),
@@ -135,10 +135,7 @@ def main(argv=None):
     res["settings"]["spec_bench"] = {"file": Path(a.questions).name, "per_group": a.per_group, "seed": a.seed,
                                      "question_ids": [p["question_id"] for p in prompts], "turns": "first only"}
     print(leaderboard_markdown(res))
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=1))
-        print(f"wrote {a.out}")
+    write_result(res, a.out)
 
 
 if __name__ == "__main__":
