@@ -186,3 +186,29 @@ def test_real_model_medusa_greedy_equals_ar(real):
         taus.append(sp.stats.tau)
     print("mean tau", sum(taus) / len(taus))
     assert sum(taus) / len(taus) > 1.2  # the heads really propose accepted tokens
+
+
+def test_typical_knobs_reach_the_rule_and_are_validated(tiny):
+    """``Typical(eps, delta)`` is what "typical" means by default (same tokens from the same generator); a lower eps
+    accepts at least as much in one step (the threshold min(eps, delta e^-H) can only fall); bad knobs are refused."""
+    from specbook.decoding import SpecState, Typical, accept, speculative_generate
+
+    heads = MedusaHeads(tiny.config.hidden_size, n_heads=2)
+    drafter = MedusaDrafter(tiny, heads, sparse_tree([[0.5, 0.2, 0.1]] * 2, 6))
+    ids = torch.tensor([[0, 5, 9, 11]])
+    cfg = SamplingConfig(1.0)
+    runs = [speculative_generate(tiny, drafter, ids, max_new_tokens=20, eos_token_id=-1, sampling=cfg,
+                                 generator=make_generator(3), acceptance=a).tokens for a in ("typical", Typical())]
+    assert runs[0] == runs[1]
+    st = SpecState(tokens=ids[0].tolist(), prompt_len=4, sampling=cfg, generator=make_generator(0), target=tiny)
+    drafter.begin(st)
+    st.target_hidden = torch.randn(1, tiny.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    tree = drafter.propose(st)
+    with torch.no_grad():
+        logits = torch.randn(len(tree) + 1, tiny.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    n = [accept(logits, tree, cfg, make_generator(1), Typical(eps=e, delta=d)).n_accepted
+         for e, d in ((1.0, 10.0), (1e-4, 1e-4))]
+    assert n[0] <= n[1] and n[1] >= 1
+    for bad in (dict(eps=0.0), dict(eps=1.5), dict(delta=0.0)):
+        with pytest.raises(ValueError, match="eps"):
+            Typical(**bad)

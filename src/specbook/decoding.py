@@ -313,18 +313,35 @@ class Drafter:
         return [d.propose(s) for d, s in zip(drafters, states)]
 
 
+@dataclass(frozen=True)
+class Typical:
+    """Medusa's typical acceptance with its two knobs (Cai et al. 2024, sec. 2.3.1; the paper's defaults): a token
+    is typical if p(x) > min(eps, delta * exp(-H(p))). ``acceptance="typical"`` means ``Typical()``. LOSSY at T > 0."""
+
+    eps: float = 0.09
+    delta: float = 0.3
+
+    def __post_init__(self):
+        if not (0 < self.eps <= 1 and 0 < self.delta):
+            raise ValueError(f"typical acceptance needs 0 < eps <= 1 and delta > 0, got eps={self.eps}, "
+                             f"delta={self.delta}")
+
+
 Acceptance = Literal["exact", "typical"]
 ACCEPTANCE = get_args(Acceptance)
 
 
-def accept(logits: torch.Tensor, draft, sampling: SamplingConfig, generator, acceptance: Acceptance = "exact"):
+def accept(logits: torch.Tensor, draft, sampling: SamplingConfig, generator,
+           acceptance: Acceptance | Typical = "exact"):
     """Verify one draft against the target's logits [N + 1, V]: "exact" = greedy / lossless rejection
-    (verify.verify); "typical" = Medusa's typical acceptance (verify.typical_accept), LOSSY at T > 0."""
+    (verify.verify); "typical" or a ``Typical(eps, delta)`` = Medusa's typical acceptance (verify.typical_accept),
+    LOSSY at T > 0."""
     from .verify import typical_accept, verify
 
     if acceptance == "exact":
         return verify(logits, draft, sampling, generator)
-    return typical_accept(logits, draft, sampling, generator=generator)
+    t = acceptance if isinstance(acceptance, Typical) else Typical()
+    return typical_accept(logits, draft, sampling, eps=t.eps, delta=t.delta, generator=generator)
 
 
 def fit_draft(draft, past: int, ctx: int):
@@ -405,21 +422,23 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     eos_token_id: int | list[int] | None = None,
     trace: list | None = None,
-    acceptance: Acceptance = "exact",
+    acceptance: Acceptance | Typical = "exact",
 ) -> GenerateResult:
     """The one speculative loop. input_ids [1, L]; any Drafter (chains and trees); lossless when the
     drafter's q is the distribution it sampled from (verify.py).
 
-    ``acceptance``: "exact" (greedy / lossless rejection, verify.verify) or "typical" — Medusa's typical
-    acceptance (verify.typical_accept), which is LOSSY: the output is no longer the target's distribution.
+    ``acceptance``: "exact" (greedy / lossless rejection, verify.verify) or "typical" / ``Typical(eps, delta)`` —
+    Medusa's typical acceptance (verify.typical_accept), which is LOSSY: the output is no longer the target's
+    distribution.
 
     ``trace``: if a list is given, one dict per step is appended (draft tokens, accepted count,
     next token, bonus?) — what notebook 01 colours.
     """
     from .cache import crop_to, keep_positions
 
-    if acceptance not in ACCEPTANCE:
-        raise ValueError(f"acceptance must be 'exact' (lossless) or 'typical' (Medusa, lossy), got {acceptance!r}")
+    if not isinstance(acceptance, Typical) and acceptance not in ACCEPTANCE:
+        raise ValueError(f"acceptance must be 'exact' (lossless), 'typical' or Typical(eps, delta) (Medusa, lossy), "
+                         f"got {acceptance!r}")
     if input_ids.shape[0] != 1:
         raise ValueError("speculative_generate runs one sequence (batch 1); use speculative_generate_batch for B > 1")
     check_request(target, input_ids, max_new_tokens, sampling, generator)
