@@ -63,7 +63,8 @@ def batch_divergence(model, tokenizer, texts: list[str], batch_sizes=(1, 4, 16),
 
 @torch.inference_mode()
 def logit_gap(model, tokenizer, texts: list[str], max_new_tokens: int = 48) -> list[float]:
-    """The gap between the top two logits at every greedy step (fp32): how close the argmax comes to a tie.
+    """The gap between the top two logits at every greedy step, in the model's dtype (give it an fp32 model to
+    see the gaps bf16 rounding competes with): how close the argmax comes to a tie.
     A rounding error larger than the gap flips the token; bf16's error is ~2^-8 of a logit's size."""
     from .decoding import encode, generate
 

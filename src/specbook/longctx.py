@@ -7,8 +7,8 @@ The long prompts are built from the project's own synthetic reports (``broad_pro
 invented towns, one paragraph each, from a seeded generator): the report is cut at a paragraph boundary to the
 longest prefix whose chat-encoded prompt fits ``n_tokens``, and followed by a request to summarize it. The
 report for a shorter length is a prefix of the one for a longer length, so the curve varies the context and
-nothing else. Our drafters were trained on corpus windows of a few hundred tokens: the sweep shows where they
-stop working.
+nothing else. Our drafters were trained on corpus windows of a few hundred tokens: the sweep shows whether,
+and where, they stop working.
 """
 
 from __future__ import annotations
@@ -43,18 +43,19 @@ def long_prompt(tokenizer, n_tokens: int, *, max_new_tokens: int = 64, context: 
         raise ValueError(f"a {n_tokens}-token prompt + max_new_tokens {max_new_tokens} exceeds the model context "
                          f"{context}; ask for at most {context - max_new_tokens} tokens")
     paras = _paragraphs(n_tokens // 60 + 4, seed)  # a paragraph is ~110 tokens: always more than enough
-    lo, hi = 0, len(paras)  # the largest m with len(prompt(paras[:m])) <= n_tokens, by bisection
+    lo, hi, length = 0, len(paras), 0  # the largest m with len(prompt(paras[:m])) <= n_tokens, by bisection
     while lo < hi:
         m = (lo + hi + 1) // 2
-        if _encoded_len(tokenizer, ASK.format(d="\n\n".join(paras[:m]))) <= n_tokens:
-            lo = m
+        n = _encoded_len(tokenizer, ASK.format(d="\n\n".join(paras[:m])))
+        if n <= n_tokens:
+            lo, length = m, n
         else:
             hi = m - 1
     if lo == 0:
         raise ValueError(f"n_tokens={n_tokens} is shorter than one paragraph of the report plus the request; "
                          "ask for at least 256 tokens")
     text = ASK.format(d="\n\n".join(paras[:lo]))
-    return {"category": str(n_tokens), "turns": [text], "tokens": _encoded_len(tokenizer, text), "paragraphs": lo}
+    return {"category": str(n_tokens), "turns": [text], "tokens": length, "paragraphs": lo}
 
 
 def long_prompts(tokenizer, lengths: list[int], **kw) -> list[dict]:
