@@ -256,6 +256,34 @@ def test_teacher_forced_top1_at_step_starts_is_the_loops_first_token_acceptance(
         assert len(starts) == r.stats.pos_tested[0]
 
 
+def test_path_outcomes_follow_the_loops_trace(tiny_pair):
+    """Every drafted node appears once with its path confidence; kept = on the accepted path, so (greedy) a kept
+    node's parent is kept, the kept count is the loop's accepted tokens, and a child is never more confident
+    than its parent (confidences are products along the path)."""
+    from specbook.calibration import reliability
+    from specbook.drafters.eagle import path_outcomes
+
+    tgt, head = tiny_pair
+    trace: list = []
+    r = speculative_generate(tgt, _drafters(tgt, head)["dynamic"], torch.tensor([[1, 4, 2, 9]]), max_new_tokens=24,
+                             eos_token_id=-1, trace=trace)
+    conf, kept = path_outcomes(trace)
+    assert len(conf) == len(kept) == sum(len(s["draft"]) for s in trace)
+    assert int(kept.sum()) == sum(len(s["path"]) for s in trace) == sum(r.stats.pos_accepted.values())
+    i = 0
+    for s in trace:
+        c, k = conf[i:i + len(s["draft"])], kept[i:i + len(s["draft"])]
+        for j, par in enumerate(s["parents"]):
+            if par >= 0:
+                assert c[j] <= c[par] + 1e-6
+                assert not (k[j] and not k[par])
+        i += len(s["draft"])
+    assert sum(b["count"] for b in reliability(conf, kept)) == len(conf)
+    trace[1]["confidence"] = None
+    with pytest.raises(ValueError, match="step 1 carries no confidences"):
+        path_outcomes(trace)
+
+
 def test_costly_drafting_stops_the_expansion_early(tiny_pair):
     """With a draft forward as dear as a whole target step, a second depth cannot pay: the tree stays one deep.
     With free drafting the same drafter grows all its depths (on this head, whose confidences are not tiny)."""

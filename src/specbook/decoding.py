@@ -431,8 +431,9 @@ def speculative_generate(
     Medusa's typical acceptance (verify.typical_accept), which is LOSSY: the output is no longer the target's
     distribution.
 
-    ``trace``: if a list is given, one dict per step is appended (draft tokens, accepted count,
-    next token, bonus?) — what notebook 01 colours.
+    ``trace``: if a list is given, one dict per step is appended (draft tokens and parents, the accepted path,
+    next token, bonus?, the drafter's confidences or None) — what notebook 01 colours and notebook 03's
+    reliability diagram reads.
     """
     from .cache import crop_to, keep_positions
 
@@ -476,7 +477,8 @@ def speculative_generate(
         emitted = commit_step(state, new, drafter, draft, res, eos, max_new_tokens, stats)
         if trace is not None:
             trace.append({"draft": draft.tokens.tolist(), "parents": draft.parents.tolist(), "path": res.path,
-                          "next": res.next_token, "bonus": res.bonus, "emitted": emitted})
+                          "next": res.next_token, "bonus": res.bonus, "emitted": emitted,
+                          "confidence": None if draft.confidence is None else draft.confidence.tolist()})
         sync(dev)
         t2 = time.perf_counter()
         stats.draft_time += t1 - t0

@@ -55,6 +55,7 @@ import math
 import torch
 from torch import nn
 
+from ..calibration import auroc, brier, ece
 from ..decoding import Drafter, SpecState
 from ..sampling import probs_from, sample
 from ..verify import DraftTree
@@ -441,42 +442,6 @@ def heldout_stats(obj: DFlashObjective, data, batches: int = 40, batch_size: int
 
 
 # -- calibration ------------------------------------------------------------------------------------------------
-def ece(pred: torch.Tensor, label: torch.Tensor, bins: int = 10) -> float:
-    """Expected calibration error: equal-width bins of ``pred``, |mean pred - mean label| weighted by bin share.
-    ``label`` may be soft (a probability)."""
-    pred, label = pred.double().flatten(), label.double().flatten()
-    if len(pred) == 0:
-        return 0.0
-    idx = (pred * bins).long().clamp(0, bins - 1)
-    err = 0.0
-    for b in range(bins):
-        m = idx == b
-        if m.any():
-            err += float(m.double().mean()) * abs(float(pred[m].mean() - label[m].mean()))
-    return err
-
-
-def brier(pred: torch.Tensor, label: torch.Tensor) -> float:
-    return float(((pred.double() - label.double()) ** 2).mean())
-
-
-def auroc(pred: torch.Tensor, label: torch.Tensor) -> float | None:
-    """Area under the ROC curve for hard 0/1 labels (ties count half); None when one class is absent."""
-    pred, label = pred.double().flatten(), label.flatten() > 0.5
-    pos, neg = pred[label], pred[~label]
-    if len(pos) == 0 or len(neg) == 0:
-        return None
-    allv = torch.cat([pos, neg])
-    ranks = torch.empty_like(allv)
-    order = allv.argsort()
-    ranks[order] = torch.arange(1, len(allv) + 1, dtype=torch.double)
-    for v in allv.unique():  # average ranks over ties
-        m = allv == v
-        if int(m.sum()) > 1:
-            ranks[m] = ranks[m].mean()
-    return float((ranks[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
-
-
 TEMPERATURE_GRID = torch.exp(torch.linspace(math.log(0.05), math.log(20.0), 161))
 
 

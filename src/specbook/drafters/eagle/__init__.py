@@ -47,11 +47,11 @@ Files: ``head.py`` (the head, its Llama fast path, ``load_eagle``), ``objective.
 """
 
 from .drafter import Eagle2Drafter, EagleDrafter, measure_draft_cost
-from .dynamic import Pool, confidence_calibration, grow_dynamic, select_nodes, worth_expanding
+from .dynamic import Pool, confidence_calibration, grow_dynamic, path_outcomes, select_nodes, worth_expanding
 from .head import EagleHead, load_eagle
 from .objective import EagleObjective, teacher_forced_top1
 from .static import static_accuracy, static_tree
 
-__all__ = ["Eagle2Drafter", "EagleDrafter", "EagleHead", "EagleObjective", "Pool", "confidence_calibration",
+__all__ = ["Eagle2Drafter", "EagleDrafter", "EagleHead", "EagleObjective", "Pool", "confidence_calibration", "path_outcomes",
            "grow_dynamic", "load_eagle", "measure_draft_cost", "select_nodes", "static_accuracy",
            "static_tree", "teacher_forced_top1", "worth_expanding"]

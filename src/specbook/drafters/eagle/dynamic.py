@@ -118,6 +118,22 @@ def confidence_calibration(card: dict, temperature: float = 0.0) -> float:
     return float(ev[key] / ev["conf_r0"])
 
 
+def path_outcomes(trace: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the loop did with every drafted node: its path confidence (the drafter's ``confidence``, EAGLE-2's
+    exp of the cumulative log-probability) and whether verification kept it (1 = on the accepted path). One
+    entry per node of every step of a ``speculative_generate(..., trace=...)`` run -> (confidence [N], kept [N]),
+    the data of EAGLE-2's reliability diagram (``calibration.reliability``)."""
+    conf, kept = [], []
+    for i, step in enumerate(trace):
+        if step.get("confidence") is None:
+            raise ValueError(f"trace step {i} carries no confidences: trace a drafter that reports them (EAGLE-2 / "
+                             "EAGLE-3 trees set DraftTree.confidence)")
+        on_path = set(step["path"])
+        conf += step["confidence"]
+        kept += [float(j in on_path) for j in range(len(step["draft"]))]
+    return torch.tensor(conf, dtype=torch.float64), torch.tensor(kept, dtype=torch.float64)
+
+
 def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, draw, keep_going=None) -> Pool:
     """EAGLE-2's expansion with SAMPLED children, lossless by construction.
 
