@@ -62,6 +62,45 @@ def test_notebook_markdown_has_no_project_history():
     assert not bad, bad
 
 
+NOISE = re.compile(r"(\w*Warning\b|[Dd]eprecat\w*|(?<![\d.])0%\|)")  # warnings, deprecations, a bar still at 0%
+
+
+def _output_texts(cell: dict):
+    for o in cell.get("outputs", []):
+        if o["output_type"] == "stream":
+            yield "stream", "".join(o["text"])
+        for kind in ("text/plain", "text/markdown", "text/html"):
+            if kind in o.get("data", {}):
+                yield kind, "".join(o["data"][kind])
+
+
+def test_committed_notebook_outputs_are_clean():
+    """What a reader sees in a committed notebook is the run's result: no warnings, deprecation notices or
+    progress bars left at 0% in any output or saved widget state, and no project history in the Markdown the
+    cells generate."""
+    import json
+
+    bad = []
+    for nb in sorted((report.ROOT / "notebooks").glob("*.ipynb")):
+        d = json.loads(nb.read_text())
+        for i, cell in enumerate(d["cells"]):
+            for kind, text in _output_texts(cell):
+                bad += [f"{nb.name} cell {i} ({kind}): {m.group(0)!r}" for m in NOISE.finditer(text)]
+                if kind == "text/markdown":
+                    bad += [f"{nb.name} cell {i} (generated Markdown): {m.group(0)!r}" for m in HISTORY.finditer(text)]
+        widgets = json.dumps(d.get("metadata", {}).get("widgets", {}))
+        bad += [f"{nb.name} saved widget state: {m.group(0)!r}" for m in NOISE.finditer(widgets)]
+    assert not bad, bad
+
+
+def test_output_scan_catches_what_it_names():
+    cell = {"outputs": [{"output_type": "stream", "text": ["x.py:3: FutureWarning: `a` is deprecated\n"]},
+                        {"output_type": "display_data", "data": {"text/plain": ["Loading:   0%|          | 0/272"]}},
+                        {"output_type": "display_data", "data": {"text/plain": ["Loading: 100%|##########| 272/272"]}}]}
+    found = [m.group(0) for _, t in _output_texts(cell) for m in NOISE.finditer(t)]
+    assert found == ["FutureWarning", "deprecated", "0%|"]
+
+
 def _executed(path, summary: dict):
     import json
 
