@@ -6,6 +6,8 @@ the draft may stay in the target's cache:
     crop_to(cache, n)               keep the first n positions (chain rollback)
     keep_positions(cache, start, idx)  keep positions [0, start) + start + idx, in order (tree compaction)
 
+Both work on transformers' dynamic cache and on fastpath.StaticKVCache (rollback = moving its length).
+
 transformers 5.x ``Cache.crop(t)`` takes the number of tokens to *remove* as a negative int;
 ``crop_to`` hides that convention behind an absolute length.
 """
@@ -32,8 +34,11 @@ def keep_positions(cache, start: int, keep: torch.Tensor) -> None:
     """Keep positions [0, start) plus ``start + keep`` (ascending offsets) in every layer; drop the rest.
 
     Used after a tree forward: ``keep`` are the offsets (within the draft block appended at
-    ``start``) of the accepted root-to-leaf path. Keys/values: [B, H, S, D].
+    ``start``) of the accepted root-to-leaf path. Keys/values: [B, H, S, D]. A static cache
+    (fastpath.StaticKVCache) copies the path into place itself.
     """
+    if hasattr(cache, "keep_positions"):
+        return cache.keep_positions(start, keep)
     keep = keep.to(torch.long)
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:

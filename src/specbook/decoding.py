@@ -142,10 +142,20 @@ def emit(tokens: list[int], eos: frozenset[int], budget: int) -> list[int]:
     return tokens[:budget]
 
 
-def new_cache(model):
+def new_cache(model, capacity: int | None = None, batch: int = 1):
+    """The target's KV cache for one call: a preallocated ``fastpath.StaticKVCache`` holding ``capacity``
+    positions when ``model`` is a ``fastpath.FastTarget`` and the caller knows how far the sequence can grow;
+    otherwise transformers' ``DynamicCache``."""
+    from .fastpath import FastTarget
+
+    if capacity is not None and isinstance(model, FastTarget):
+        return model.new_cache(capacity, batch=batch)
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
+
+
+MAX_BLOCK = 256  # room a batch-1 speculative loop's static cache keeps for one verification block (draft + root)
 
 
 @torch.inference_mode()
@@ -182,7 +192,7 @@ def generate(
     dev = input_ids.device
     B = input_ids.shape[0]
     stats = DecodeStats(rows=B)
-    cache = new_cache(model)
+    cache = new_cache(model, capacity=input_ids.shape[1] + max_new_tokens, batch=B)
 
     # 1. prefill
     sync(dev)
@@ -446,7 +456,7 @@ def speculative_generate(
     eos = eos_set(eos_token_id, target)
     dev = input_ids.device
     stats = SpecStats(rows=1)
-    cache = new_cache(target)
+    cache = new_cache(target, capacity=input_ids.shape[1] + max_new_tokens + MAX_BLOCK)
     ctx = context_length(target)
     first, out = _start(target, input_ids, cache, sampling, generator, stats, hidden=drafter.needs_hidden)
     state = SpecState(tokens=input_ids[0].tolist() + first, prompt_len=input_ids.shape[1], sampling=sampling,

@@ -212,7 +212,7 @@ def profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: 
     V = model.config.vocab_size
     g = generator or torch.Generator().manual_seed(0)
     ctx_ids = torch.randint(V, (batch, context), generator=g).to(dev)
-    cache = new_cache(model)
+    cache = new_cache(model, capacity=context + max(ks), batch=batch)
     model(input_ids=ctx_ids, **cache_kw(cache), use_cache=True, logits_to_keep=1)
     out = {}
     for k in tqdm(list(ks), desc="latency(k)", disable=not progress):

@@ -1,0 +1,308 @@
+"""A static KV cache and compiled forwards for the target: decoding near the roofline.
+
+Notebook 00 shows decoding is memory-bandwidth bound, but an eager transformers forward on a small model is
+dominated by per-layer Python and kernel-launch overhead. gpt-fast's recipe removes it: a KV cache
+preallocated once and written in place at explicit slots, and forwards compiled for a few fixed shapes.
+
+    StaticKVCache     keys / values [B, Hkv, capacity, D] per layer, a committed ``length``;
+                      rollback = moving the length (chains), tree compaction = copying the accepted path's
+                      entries into place (``keep_positions``); the cache API the loops already use
+                      (get_seq_length, crop, batch_select_indices) so cache.py and decoding.py stay as they are
+    FastTarget        wraps a transformers causal LM (its own decoder layers, weights shared, nothing copied)
+                      and takes the same call the loops make (input_ids, attention_mask 2D or 4D, position_ids,
+                      cache, output_hidden_states, logits_to_keep). With a StaticKVCache:
+                        eager (compile=False): attends over the written slots only — the reference
+                        compiled: a block of n tokens is padded to the next bucket (1, 2, 4, ... 64), attends over
+                        the whole capacity with a mask, and runs one torch.compile'd graph per bucket
+                      With any other cache (a DynamicCache), the call goes to the wrapped model unchanged.
+
+The loops get a static cache from ``decoding.new_cache(model, capacity=...)`` when ``model`` is a FastTarget and
+they know how long the sequence can grow (plain decoding and the batch-1 speculative loop); the batched
+speculative loop and the serving loop keep transformers' dynamic cache (their rejected slots are holes that
+grow the cache, which a fixed capacity would have to bound).
+
+Padding slots of a bucket write K/V past the committed length, where nothing reads them (masked) and the next
+forward overwrites them. A block longer than the largest bucket runs the eager path (counted in ``stats``), a
+sequence beyond the capacity is an error naming the capacity.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verification blocks are padded up to one of these (compiled mode): one graph
+# each (~25 s to compile for SmolLM2 on 2 cores); a bf16 forward over 32 slots costs little more than over 17
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")  # plain causal decoder layers that call cache.update
+
+
+class StaticKVCache:
+    """Preallocated K/V for every layer: [B, Hkv, capacity, D]; positions [0, length) are committed."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.capacity = capacity
+        self.length = 0
+
+    # --- the part of transformers' Cache API the loops use (cache.py, decoding.py)
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def crop(self, max_length: int) -> None:
+        """transformers' convention: a negative ``max_length`` removes that many positions from the end."""
+        n = self.length + max_length if max_length < 0 else max_length
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot crop a static cache of {self.length} positions to {n}")
+        self.length = n  # rollback = moving the length; the slots behind it are overwritten later
+
+    def keep_positions(self, start: int, keep: torch.Tensor) -> None:
+        """Keep [0, start) + ``start + keep`` (ascending offsets): the accepted path is copied into place."""
+        keep = keep.to(torch.long)
+        n = int(keep.numel())
+        if start + n > self.capacity:
+            raise ValueError(f"positions up to {start + n} do not fit a static cache of {self.capacity}")
+        if n:
+            idx = (start + keep).to(self.keys[0].device)
+            for k, v in zip(self.keys, self.values):
+                k[:, :, start:start + n] = k.index_select(2, idx)  # index_select copies first: overlap is safe
+                v[:, :, start:start + n] = v.index_select(2, idx)
+        self.length = start + n
+
+    def batch_select_indices(self, idx: torch.Tensor) -> None:
+        self.keys = [k.index_select(0, idx) for k in self.keys]
+        self.values = [v.index_select(0, idx) for v in self.values]
+
+    @property
+    def batch(self) -> int:
+        return self.keys[0].shape[0]
+
+
+class _Writer:
+    """What a decoder layer's attention sees as its cache for one forward: ``update`` writes this forward's K/V
+    at ``slots`` [n] and returns the first ``width`` positions of the layer's cache."""
+
+    def __init__(self, keys: list, values: list, slots: torch.Tensor, width: int):
+        self.keys, self.values, self.slots, self.width = keys, values, slots, width
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k.index_copy_(2, self.slots, key_states)
+        v.index_copy_(2, self.slots, value_states)
+        return k[:, :, :self.width], v[:, :, :self.width]
+
+
+def _forward(model, input_ids, position_ids, mask, slots, keys, values, width: int, hidden: bool, keep: int):
+    """One forward over ``input_ids`` [B, n] through the wrapped model's own modules. ``mask``: additive
+    [B, 1, n, width]. Returns (logits of the last ``keep`` positions, or all when 0; hidden states or None)."""
+    base = model.model
+    h = base.embed_tokens(input_ids)  # [B, n, H]
+    cos_sin = base.rotary_emb(h, position_ids=position_ids)
+    writer = _Writer(keys, values, slots, width)
+    hs = [h] if hidden else None
+    for layer in base.layers[: model.config.num_hidden_layers]:
+        h = layer(h, attention_mask=mask, position_embeddings=cos_sin, position_ids=position_ids, cache=writer)
+        if hidden:
+            hs.append(h)
+    h = base.norm(h)
+    if hidden:
+        hs[-1] = h  # transformers' last hidden state is after the final norm
+    logits = model.lm_head(h if keep == 0 else h[:, -keep:])
+    return logits, (tuple(hs) if hidden else None)
+
+
+@dataclass
+class FastOutput:
+    logits: torch.Tensor
+    hidden_states: tuple | None = None
+    cache: object = None
+
+    @property
+    def past_key_values(self):
+        return self.cache
+
+
+@dataclass
+class FastStats:
+    compiled_calls: int = 0
+    eager_calls: int = 0  # prefills, blocks above the largest bucket, compile=False
+    fallbacks: int = 0  # blocks longer than the largest bucket in compiled mode
+    warmup_s: dict = field(default_factory=dict)  # "bucket" / "bucket+hidden" -> seconds of its first (compiling) call
+    capacities: set = field(default_factory=set)  # cache capacities the compiled graphs were built for
+
+    def as_json(self) -> dict:
+        return {"compiled_calls": self.compiled_calls, "eager_calls": self.eager_calls, "fallbacks": self.fallbacks,
+                "warmup_s": {k: round(v, 2) for k, v in self.warmup_s.items()},
+                "warmup_total_s": round(sum(self.warmup_s.values()), 2), "capacities": sorted(self.capacities)}
+
+
+def allowed_mask(n: int, past: int, width: int, batch: int, attention_mask: torch.Tensor | None,
+                 rows: int | None = None) -> torch.Tensor:
+    """Bool [B, 1, rows, width]: which cache slots each of the block's queries may read.
+
+    ``attention_mask`` as the loops pass it: None (causal), 2D [B, past + n] (1 = a real slot: left padding,
+    the batch loop's holes) or 4D [B, 1, n, past + n] (tree / packed masks; additive float or bool). Rows past
+    ``n`` (bucket padding) and rows that could read nothing see only their own slot, so no softmax is empty.
+    """
+    rows = rows or n
+    i = torch.arange(rows)[:, None]
+    j = torch.arange(width)[None, :]
+    causal = (j <= past + i) & (j < past + n)  # [rows, width]
+    if attention_mask is None:
+        allowed = causal[None, None].expand(batch, 1, rows, width).clone()
+    elif attention_mask.dim() == 2:
+        m = attention_mask.bool().cpu()
+        keymask = torch.zeros(batch, width, dtype=torch.bool)
+        keymask[:, :m.shape[1]] = m
+        allowed = (causal[None] & keymask[:, None, :])[:, None]
+    elif attention_mask.dim() == 4:
+        m4 = attention_mask.cpu()
+        m4 = m4 if m4.dtype == torch.bool else (m4 == 0)
+        allowed = torch.zeros(batch, 1, rows, width, dtype=torch.bool)
+        allowed[:, :, :n, :m4.shape[-1]] = m4[..., -n:, :]
+    else:
+        raise ValueError(f"attention_mask must be 2D or 4D, got {attention_mask.dim()}D")
+    allowed[:, :, n:] = False  # bucket padding: no query of the block reads it, and it reads nothing real
+    empty = ~allowed.any(-1)  # [B, 1, rows]
+    own = torch.zeros(rows, width, dtype=torch.bool)
+    own[torch.arange(rows), (past + torch.arange(rows)).clamp_max(width - 1)] = True
+    return torch.where(empty[..., None], own[None, None], allowed)
+
+
+class FastTarget:
+    """A transformers causal LM with a static-cache forward, eager or compiled (module docstring).
+
+    ``lm`` is the wrapped model; every other attribute read goes to it (``config``, ``device``, ``dtype``,
+    ``generate``, ``model.norm``, ``lm_head``), so drafters and the bench use a FastTarget as they use the model.
+    """
+
+    def __init__(self, model, *, compile: bool = True, buckets: tuple[int, ...] = BUCKETS):
+        mt = getattr(model.config, "model_type", None)
+        if mt not in SUPPORTED:
+            raise ValueError(f"the static-cache fast path supports {SUPPORTED} decoder layers, not {mt!r}; "
+                             "run this model without it (compile=False in the bench: --no-compile)")
+        if not buckets or sorted(set(buckets)) != list(buckets) or buckets[0] < 1:
+            raise ValueError(f"buckets must be ascending distinct sizes >= 1, got {buckets}")
+        self.lm = model
+        self.compiled = bool(compile)
+        self.buckets = tuple(buckets)
+        self.stats = FastStats()
+        self.min_capacity = 0  # reserve(): every cache of a run gets one capacity, so one set of graphs serves it
+        self._fn = None
+        if self.compiled:
+            import torch._dynamo
+            import torch._inductor.config
+
+            # one graph per bucket, with and without hidden states, per cache capacity: more than dynamo's
+            # default of 8 recompiles of one function
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # freezing: the weights become constants of the graph, prepacked once for oneDNN's linear kernels
+            # (measured here: a bf16 1-token forward 31 -> 26 ms). Inference only: weights changed after the
+            # first call are not seen by the compiled graphs.
+            torch._inductor.config.freezing = True
+            self._fn = torch.compile(_forward, dynamic=False)
+
+    def reserve(self, capacity: int) -> None:
+        """Make every later cache at least this large (the bench reserves its longest request)."""
+        self.min_capacity = max(self.min_capacity, int(capacity))
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["lm"], name)
+
+    def new_cache(self, capacity: int, batch: int = 1) -> StaticKVCache:
+        """A static cache holding ``capacity`` positions (plus room for the largest bucket's padding), rounded up
+        to a power of two from 256 so that requests of similar length share compiled graphs."""
+        c = self.lm.config
+        need = max(capacity, self.min_capacity) + (self.buckets[-1] if self.compiled else 0)
+        cap = 256
+        while cap < need:
+            cap *= 2
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return StaticKVCache(c.num_hidden_layers, batch, c.num_key_value_heads, head_dim, cap, self.lm.dtype,
+                             self.lm.device)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
+                 use_cache=True, output_hidden_states=False, logits_to_keep=0, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        if not isinstance(cache, StaticKVCache):
+            from .models import cache_kw
+
+            return self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              **({} if cache is None else cache_kw(cache)), use_cache=use_cache,
+                              output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep, **kwargs)
+        if kwargs or input_ids is None or not isinstance(logits_to_keep, int):
+            raise TypeError("the static-cache forward takes input_ids, attention_mask, position_ids, cache, "
+                            f"output_hidden_states and an int logits_to_keep; got {sorted(kwargs) or 'other types'}")
+        B, n = input_ids.shape
+        past = cache.length
+        if past + n > cache.capacity:
+            raise ValueError(f"the static cache holds {cache.capacity} positions; this forward needs {past + n}. "
+                             "Create it with a larger capacity (decoding.new_cache(model, capacity=...)).")
+        if B != cache.batch:
+            raise ValueError(f"input batch {B} does not match the static cache's batch {cache.batch}")
+        dev = input_ids.device
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n, device=dev)[None].expand(B, n)
+        bucket = next((b for b in self.buckets if b >= n), None) if self.compiled else None
+        if bucket is None or n > 1 and past == 0:  # eager: compile=False, prefills, blocks above the buckets
+            self.stats.eager_calls += 1
+            self.stats.fallbacks += int(self.compiled and past > 0)
+            width = past + n
+            mask = _additive(allowed_mask(n, past, width, B, attention_mask), self.lm.dtype).to(dev)
+            slots = torch.arange(past, past + n, device=dev)
+            logits, hs = _forward(self.lm, input_ids, position_ids, mask, slots, cache.keys, cache.values, width,
+                                  output_hidden_states, logits_to_keep)
+        else:
+            width, pad = cache.capacity, bucket - n
+            mask = _additive(allowed_mask(n, past, width, B, attention_mask, rows=bucket), self.lm.dtype).to(dev)
+            if pad:
+                input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(B, pad)], dim=1)
+                position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(B, pad)], dim=1)
+            slots = torch.arange(past, past + bucket, device=dev)
+            keep = 0 if logits_to_keep == 0 else logits_to_keep + pad
+            key = f"{bucket}+hidden" if output_hidden_states else str(bucket)
+            first = key not in self.stats.warmup_s or width not in self.stats.capacities
+            t0 = time.perf_counter()
+            logits, hs = self._fn(self.lm, input_ids, position_ids, mask, slots, cache.keys, cache.values, width,
+                                  bool(output_hidden_states), keep)
+            if first:  # this call compiled a graph: its time is warm-up, reported, never hidden in a figure
+                self.stats.warmup_s[key] = self.stats.warmup_s.get(key, 0.0) + time.perf_counter() - t0
+                self.stats.capacities.add(width)
+            self.stats.compiled_calls += 1
+            if pad:
+                logits = logits[:, : logits.shape[1] - pad]
+                hs = tuple(h[:, :n] for h in hs) if hs is not None else None
+        cache.length = past + n
+        return FastOutput(logits=logits, hidden_states=hs, cache=cache)
+
+    def warm_up(self, capacity: int = 0, buckets: tuple[int, ...] | None = None,
+                hidden: tuple[bool, ...] = (False,), progress: bool = False) -> dict:
+        """Compile every bucket (with and / or without hidden states) once on a dummy cache of the capacity later
+        caches will get; returns ``stats.warmup_s`` (seconds per graph)."""
+        if not self.compiled:
+            return {}
+        from tqdm.auto import tqdm
+
+        dev = self.lm.device
+        todo = [(b, h) for h in hidden for b in (buckets or self.buckets)]
+        for b, h in tqdm(todo, desc="compiling", disable=not progress):
+            cache = self.new_cache(capacity)
+            self(input_ids=torch.zeros((1, 2), dtype=torch.long, device=dev), cache=cache)
+            self(input_ids=torch.zeros((1, b), dtype=torch.long, device=dev), cache=cache, output_hidden_states=h)
+        return dict(self.stats.warmup_s)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def fast_target(model, compile: bool = True, **kw) -> FastTarget:
+    """``model`` wrapped with the static-cache fast path (a FastTarget is returned as is)."""
+    return model if isinstance(model, FastTarget) else FastTarget(model, compile=compile, **kw)
