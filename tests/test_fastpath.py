@@ -190,3 +190,43 @@ def test_bad_input_is_refused(model):
     # without a static cache the call is transformers' own
     ids = torch.tensor([[3, 7, 11]])
     assert torch.equal(fast(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+SLOW_METHODS = ["ar", "sps_rv", "pld", "medusa", "eagle", "eagle2", "eagle3", "mtp", "eagle_chain", "dflash", "dspark"]
+
+
+@pytest.mark.slow
+def test_compiled_greedy_tokens_equal_eager_for_every_bench_method(real, monkeypatch):
+    """The real model in fp32 through the bench: every method's greedy tokens with the compiled forward equal those of
+    the eager static-cache reference, prompt by prompt (4 eval prompts x 48 tokens; compiled buckets 1, 8 and 32 with
+    and without hidden states, so CI compiles six graphs; blocks above 32 take the counted eager fallback)."""
+    from specbook import decoding
+    from specbook.bench import Loaded, Settings, TargetSettings, run_bench
+    from specbook.prompts import load_prompts
+
+    model, tok = real
+    seen: list = []
+    for name in ("generate", "speculative_generate"):
+        orig = getattr(decoding, name)
+
+        def recording(*a, _orig=orig, **kw):
+            res = _orig(*a, **kw)
+            seen.append(res.tokens)
+            return res
+
+        monkeypatch.setattr(decoding, name, recording)
+    loaded = Loaded()
+    loaded.targets.update(hf=model, compiled=FastTarget(model, compile=True, buckets=(1, 8, 32)))
+    prompts = load_prompts("eval", limit=4)
+    tokens = {}
+    for forward in ("static", "compiled"):
+        seen.clear()
+        res = run_bench(SLOW_METHODS, prompts, model=model, tokenizer=tok, max_new_tokens=48, progress=False,
+                        settings=Settings(target=TargetSettings(forward=forward)), loaded=loaded)
+        tokens[forward] = list(seen)
+        assert res["settings"]["forward"] == forward
+    assert len(tokens["static"]) == len(tokens["compiled"]) >= len(SLOW_METHODS) * len(prompts)
+    assert tokens["static"] == tokens["compiled"]
+    stats = loaded.targets["compiled"].stats
+    assert stats.compiled_calls > 0 and set(stats.warmup_s) <= {"1", "8", "32", "1+hidden", "8+hidden", "32+hidden"}
+    assert res["settings"]["fast"]["compiled"]["warmup_total_s"] > 0

@@ -150,10 +150,27 @@ class BlockSettings:
         check_threshold(self.threshold)
 
 
+FORWARDS = ("compiled", "static", "hf")
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    """How the target runs its forwards (fastpath.py): "compiled" (static KV cache + torch.compile'd buckets, the
+    CLI's default), "static" (the same static cache, eager: the reference), "hf" (transformers' forward and its
+    dynamic cache). ``hf_generate`` always runs transformers' own ``generate``."""
+
+    forward: str = "hf"
+
+    def __post_init__(self):
+        if self.forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {FORWARDS}, got {self.forward!r}")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every method's configuration for one bench run (recorded in the JSON)."""
 
+    target: TargetSettings = field(default_factory=TargetSettings)
     sps: SpsSettings = field(default_factory=SpsSettings)
     lookup: LookupSettings = field(default_factory=LookupSettings)
     medusa: MedusaSettings = field(default_factory=MedusaSettings)
@@ -177,6 +194,8 @@ class Loaded:
     dflash: tuple | None = None  # (net, card, measured cost of one block forward in seconds)
     dspark: tuple | None = None  # (net, card, measured cost of one block forward in seconds)
     toy: object = None  # a parallel_heads.ToyMTP whose ``lm`` is the run's model (self_spec)
+    targets: dict = field(default_factory=dict)  # forward mode -> the target run that way ("hf": the model itself)
+    latency_by: dict = field(default_factory=dict)  # forward mode -> its latency curve (variants of another mode)
 
 
 @dataclass
@@ -362,10 +381,27 @@ def measure_latency(model) -> dict[int, float]:
 
 
 def latency_for(ctx: BenchContext) -> dict[int, float]:
-    """measure_latency, once per target."""
-    if ctx.loaded.latency is None:
-        ctx.loaded.latency = measure_latency(ctx.model)
-    return ctx.loaded.latency
+    """measure_latency, once per target (and per forward mode: a compiled forward has its own curve)."""
+    mode = ctx.settings.target.forward
+    if mode not in ctx.loaded.latency_by:  # a curve given in Loaded(latency=...) serves the first mode asked
+        given = ctx.loaded.latency if not ctx.loaded.latency_by else None
+        ctx.loaded.latency_by[mode] = given if given is not None else measure_latency(ctx.model)
+        if ctx.loaded.latency is None:
+            ctx.loaded.latency = ctx.loaded.latency_by[mode]
+    return ctx.loaded.latency_by[mode]
+
+
+def target_for(loaded: Loaded, model, forward: str):
+    """The target run with ``forward`` (fastpath.FastTarget around ``model``, made once per mode and run)."""
+    from .fastpath import FastTarget
+
+    if loaded.targets.get("hf") is not model:
+        loaded.targets.clear()
+        loaded.latency_by.clear()
+        loaded.targets["hf"] = model
+    if forward not in loaded.targets:
+        loaded.targets[forward] = FastTarget(model, compile=forward == "compiled")
+    return loaded.targets[forward]
 
 
 # ---------------------------------------------------------------- Medusa
@@ -568,7 +604,10 @@ def _variant_ctx(ctx: BenchContext, name: str) -> tuple[MethodFn, BenchContext]:
     settings = ctx.settings
     for (grp, fld), val in over.items():
         settings = dataclasses.replace(settings, **{grp: dataclasses.replace(getattr(settings, grp), **{fld: val})})
-    return METHODS[base], dataclasses.replace(ctx, settings=settings, trees={})
+    model = ctx.model
+    if settings.target.forward != ctx.settings.target.forward:  # ar[forward=hf]: the same run, another forward
+        model = target_for(ctx.loaded, ctx.loaded.targets["hf"], settings.target.forward)
+    return METHODS[base], dataclasses.replace(ctx, settings=settings, trees={}, model=model)
 
 
 def _interleaved(runners: dict, methods: list[str], prompts: list[dict], encoded: list, repeats: int, seed: int,
@@ -714,7 +753,9 @@ def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
     if "medusa" in ctx.trees:
         out["medusa_choices"] = [list(c) for c in ctx.trees["medusa"]]
     if ctx.loaded.latency is not None:
-        out["latency_s"] = ctx.loaded.latency
+        out["latency_s"] = ctx.loaded.latency_by.get(ctx.settings.target.forward, ctx.loaded.latency)
+    if len(ctx.loaded.latency_by) > 1:
+        out["latency_s_by_forward"] = ctx.loaded.latency_by
     if ctx.loaded.eagle is not None and {"eagle", "eagle2"} & set(methods):
         s = ctx.settings.eagle
         out["eagle"] = {"nodes": s.nodes, "depth": s.depth, "top_k": s.top_k, "eagle2_total": s.eagle2_total,
@@ -751,8 +792,10 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
               progress: bool = True, model=None, tokenizer=None, settings: Settings | None = None,
               loaded: Loaded | None = None) -> dict:
     """Run ``methods`` interleaved over ``prompts``; return the JSON-ready result. ``settings``: the methods'
-    configuration (default ``Settings()``); ``loaded``: drafters / measurements to reuse (``preload``). A method
-    may be a variant with some settings changed, e.g. ``"eagle2[children=iid]"`` (``parse_variant``)."""
+    configuration (default ``Settings()``; ``settings.target.forward`` picks how the target runs, default "hf");
+    ``loaded``: drafters / measurements to reuse (``preload``). A method may be a variant with some settings
+    changed, e.g. ``"eagle2[children=iid]"`` or ``"ar[forward=hf]"`` (``parse_variant``). A compiled target's graphs
+    are all built before the timed runs; their seconds are in the JSON (``settings.fast``), never in a figure."""
     import dataclasses
 
     from .decoding import encode
@@ -768,15 +811,26 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
     if model is None:
         model, tokenizer = load_model(model_name, dtype=dtype, device=device)
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    ctx = BenchContext(model=model, tokenizer=tokenizer, sampling=sampling, max_new_tokens=max_new_tokens,
-                       settings=settings or Settings(), loaded=loaded or Loaded())
+    settings = settings or Settings()
+    loaded = loaded or Loaded()
     encoded = [encode(tokenizer, p["turns"][0], max_new_tokens=max_new_tokens,
                       max_length=int(model.config.max_position_embeddings), device=model.device) for p in prompts]
+    target = target_for(loaded, model, settings.target.forward)
+    ctx = BenchContext(model=target, tokenizer=tokenizer, sampling=sampling, max_new_tokens=max_new_tokens,
+                       settings=settings, loaded=loaded)
     runners = {m: _variant_ctx(ctx, m) for m in methods}
+    fast = [t for mode, t in loaded.targets.items() if mode != "hf"]
+    for t in fast:  # one cache capacity for the whole run: one set of compiled graphs serves every request
+        from .decoding import MAX_BLOCK
+
+        t.reserve(max(ids.shape[1] for ids, _ in encoded) + max_new_tokens + MAX_BLOCK)
     # warm-up: one short run of every method (allocations, thread pools, lazy state; a variant's own trees)
     for m, (fn, mctx) in runners.items():
         fn(dataclasses.replace(mctx, max_new_tokens=8), *encoded[0],
            torch.Generator().manual_seed(seed) if not sampling.greedy else None)
+    for t in fast:  # every bucket compiled now (with hidden states too where a drafter asked for them)
+        t.warm_up(hidden=tuple(sorted({k.endswith("+hidden") for k in t.stats.warmup_s} | {False})),
+                  progress=progress)
     tot, cat, mem = _interleaved(runners, methods, prompts, encoded, repeats, seed, progress)
     base = tot["ar"]["new_tokens"] / tot["ar"]["seconds"]
     rows = [{**_row(m, tot[m], base), "peak_mem_mb": round(mem[m], 1)} for m in methods]
@@ -793,7 +847,10 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                      **settings_json(ctx, [parse_variant(m)[0] for m in methods]),
                      **({"variants": {m: {f"{g}.{f}": v for (g, f), v in parse_variant(m)[1].items()}
                                       for m in methods if "[" in m}} if any("[" in m for m in methods) else {}),
-                     "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)"},
+                     "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)",
+                     "forward": settings.target.forward,
+                     **({"fast": {mode: t.stats.as_json() for mode, t in loaded.targets.items() if mode != "hf"}}
+                        if fast else {})},
         "rows": rows,
         "by_category": by_cat,
     }
@@ -852,6 +909,11 @@ def main(argv=None):
     ap.add_argument("--children", default="topk", choices=["topk", "iid", "noreplace"],
                     help="eagle / eagle2 / eagle3 at T > 0: top-k picks, or children drawn from q (i.i.d. / without "
                          "replacement)")
+    ap.add_argument("--forward", default="compiled", choices=list(FORWARDS),
+                    help="how the target runs (fastpath.py): compiled (default; compile seconds reported in the JSON), "
+                         "static (the same static KV cache, eager: the reference), hf (transformers' forward)")
+    ap.add_argument("--no-compile", dest="forward", action="store_const", const="static",
+                    help="same as --forward static")
     ap.add_argument("--json", default=None, help="write the result here")
     a = ap.parse_args(argv)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -859,7 +921,8 @@ def main(argv=None):
         load_prompts(a.prompts, limit=a.limit)
     res = run_bench(methods, prompts, model_name=a.model, dtype=a.dtype, device=a.device,
                     max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                    repeats=a.repeats, seed=a.seed, settings=Settings(eagle=EagleSettings(children=a.children)))
+                    repeats=a.repeats, seed=a.seed, settings=Settings(target=TargetSettings(forward=a.forward),
+                                                                      eagle=EagleSettings(children=a.children)))
     res["settings"]["command"] = "python -m specbook.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     res["settings"]["prompts_source"] = a.prompts
     print(markdown_table(res))

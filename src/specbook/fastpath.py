@@ -265,6 +265,8 @@ class FastTarget:
             if pad:
                 input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(B, pad)], dim=1)
                 position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(B, pad)], dim=1)
+            # canonical layouts: dynamo guards on strides, and an expanded view would build a second graph
+            input_ids, position_ids = input_ids.contiguous(), position_ids.to(torch.long).contiguous()
             slots = torch.arange(past, past + bucket, device=dev)
             keep = 0 if logits_to_keep == 0 else logits_to_keep + pad
             key = f"{bucket}+hidden" if output_hidden_states else str(bucket)

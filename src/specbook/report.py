@@ -40,9 +40,13 @@ def _cell(v) -> str:
 
 def _run_header(name: str, d: dict) -> str:
     s, m = d["settings"], d["machine"]
+    fwd = ""
+    if "forward" in s:  # runs that record how the target ran (fastpath.py); earlier runs used transformers' forward
+        warm = sum(f.get("warmup_total_s", 0) for f in s.get("fast", {}).values())
+        fwd = f", target forward: {s['forward']}" + (f" (compile warm-up {warm:.0f} s, outside every figure)" if warm else "")
     return (f"## {name}\n\n{m.get('cpu', m.get('platform', '?'))}, {m.get('torch_threads', '?')} threads, "
             f"{s['dtype']}, {s['prompts']} prompts x {s['max_new_tokens']} tokens, temperature {s['temperature']}"
-            f"{'' if s.get('top_p', 1.0) == 1.0 else ', top-p ' + str(s['top_p'])}\n\n"
+            f"{'' if s.get('top_p', 1.0) == 1.0 else ', top-p ' + str(s['top_p'])}{fwd}\n\n"
             f"`{s.get('command', 'run_bench(...) from Python')}`\n")
 
 
