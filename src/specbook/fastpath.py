@@ -46,8 +46,9 @@ class StaticKVCache:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         shape = (batch, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        with torch.inference_mode(False):  # ordinary tensors wherever the cache is made: one kind of graph input
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.capacity = capacity
         self.length = 0
 
@@ -133,11 +134,13 @@ class FastStats:
     compiled_calls: int = 0
     eager_calls: int = 0  # prefills, blocks above the largest bucket, compile=False
     fallbacks: int = 0  # blocks longer than the largest bucket in compiled mode
+    recompiles: int = 0  # graphs built again for a bucket and capacity that had one (should stay 0)
     warmup_s: dict = field(default_factory=dict)  # "bucket" / "bucket+hidden" -> seconds of its first (compiling) call
     capacities: set = field(default_factory=set)  # cache capacities the compiled graphs were built for
 
     def as_json(self) -> dict:
         return {"compiled_calls": self.compiled_calls, "eager_calls": self.eager_calls, "fallbacks": self.fallbacks,
+                "recompiles": self.recompiles,
                 "warmup_s": {k: round(v, 2) for k, v in self.warmup_s.items()},
                 "warmup_total_s": round(sum(self.warmup_s.values()), 2), "capacities": sorted(self.capacities)}
 
@@ -265,16 +268,19 @@ class FastTarget:
             if pad:
                 input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(B, pad)], dim=1)
                 position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(B, pad)], dim=1)
-            # canonical layouts: dynamo guards on strides, and an expanded view would build a second graph
-            input_ids, position_ids = input_ids.contiguous(), position_ids.to(torch.long).contiguous()
+            # canonical inputs: dynamo guards on strides and on inference-ness, so a caller's expanded view or a
+            # tensor made outside inference mode would build a second graph (copies of a few integers)
+            input_ids, position_ids = input_ids.clone(memory_format=torch.contiguous_format), \
+                position_ids.to(torch.long).clone(memory_format=torch.contiguous_format)
             slots = torch.arange(past, past + bucket, device=dev)
             keep = 0 if logits_to_keep == 0 else logits_to_keep + pad
             key = f"{bucket}+hidden" if output_hidden_states else str(bucket)
-            first = key not in self.stats.warmup_s or width not in self.stats.capacities
+            graphs = _graphs_built()
             t0 = time.perf_counter()
             logits, hs = self._fn(self.lm, input_ids, position_ids, mask, slots, cache.keys, cache.values, width,
                                   bool(output_hidden_states), keep)
-            if first:  # this call compiled a graph: its time is warm-up, reported, never hidden in a figure
+            if _graphs_built() > graphs:  # this call compiled: warm-up, reported, never hidden in a figure
+                self.stats.recompiles += int(key in self.stats.warmup_s and width in self.stats.capacities)
                 self.stats.warmup_s[key] = self.stats.warmup_s.get(key, 0.0) + time.perf_counter() - t0
                 self.stats.capacities.add(width)
             self.stats.compiled_calls += 1
@@ -299,6 +305,13 @@ class FastTarget:
             self(input_ids=torch.zeros((1, 2), dtype=torch.long, device=dev), cache=cache)
             self(input_ids=torch.zeros((1, b), dtype=torch.long, device=dev), cache=cache, output_hidden_states=h)
         return dict(self.stats.warmup_s)
+
+
+def _graphs_built() -> int:
+    """How many graphs torch.compile has built in this process (dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
