@@ -8,7 +8,8 @@ preallocated once and written in place at explicit slots, and forwards compiled 
                       rollback = moving the length (chains), tree compaction = copying the accepted path's
                       entries into place (``keep_positions``); the cache API the loops already use
                       (get_seq_length, crop, batch_select_indices) so cache.py and decoding.py stay as they are
-    FastTarget        wraps a transformers causal LM (its own decoder layers, weights shared, nothing copied)
+    FastTarget        wraps a transformers Llama-family causal LM (its decoder layer written out from its own weights,
+                      op for op as transformers runs it; nothing copied)
                       and takes the same call the loops make (input_ids, attention_mask 2D or 4D, position_ids,
                       cache, output_hidden_states, logits_to_keep). With a StaticKVCache:
                         eager (compile=False): attends over the written slots only — the reference
@@ -35,7 +36,7 @@ import torch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verification blocks are padded up to one of these (compiled mode): one graph
 # each (~25 s to compile for SmolLM2 on 2 cores); a bf16 forward over 32 slots costs little more than over 17
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")  # plain causal decoder layers that call cache.update
+SUPPORTED = ("llama",)  # the decoder layer fastpath._layer writes out (SmolLM2 is one)
 
 
 class StaticKVCache:
@@ -85,33 +86,55 @@ class StaticKVCache:
         return self.keys[0].shape[0]
 
 
-class _Writer:
-    """What a decoder layer's attention sees as its cache for one forward: ``update`` writes this forward's K/V
-    at ``slots`` [n] and returns the first ``width`` positions of the layer's cache."""
+def _rms(x: torch.Tensor, norm) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op (float32 statistics, the weight applied in the input dtype)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
 
-    def __init__(self, keys: list, values: list, slots: torch.Tensor, width: int):
-        self.keys, self.values, self.slots, self.width = keys, values, slots, width
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.keys[layer_idx], self.values[layer_idx]
-        k.index_copy_(2, self.slots, key_states)
-        v.index_copy_(2, self.slots, value_states)
-        return k[:, :, :self.width], v[:, :, :self.width]
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _layer(layer, h, cos, sin, mask, slots, k_cache, v_cache, width: int):
+    """One Llama decoder layer over h [B, n, H], written out from its own weights (transformers' op order: the eager
+    path is bit-for-bit its forward). K/V of the n new tokens are written at ``slots`` and attention reads the first
+    ``width`` cache positions under the additive ``mask`` [B, 1, n, width]."""
+    att = layer.self_attn
+    B, n, _ = h.shape
+    x = _rms(h, layer.input_layernorm)
+    q = att.q_proj(x).view(B, n, -1, att.head_dim).transpose(1, 2)  # [B, Hq, n, D]
+    k = att.k_proj(x).view(B, n, -1, att.head_dim).transpose(1, 2)  # [B, Hkv, n, D]
+    v = att.v_proj(x).view(B, n, -1, att.head_dim).transpose(1, 2)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    k_cache.index_copy_(2, slots, k)
+    v_cache.index_copy_(2, slots, v)
+    rep = q.shape[1] // k.shape[1]
+    keys = k_cache[:, :, :width].repeat_interleave(rep, dim=1)  # [B, Hq, width, D] (transformers' repeat_kv)
+    vals = v_cache[:, :, :width].repeat_interleave(rep, dim=1)
+    o = torch.nn.functional.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, dropout_p=0.0,
+                                                         scale=att.scaling)
+    h = h + att.o_proj(o.transpose(1, 2).reshape(B, n, -1))
+    mlp = layer.mlp
+    x = _rms(h, layer.post_attention_layernorm)
+    return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
 
 
 def _forward(model, input_ids, position_ids, mask, slots, keys, values, width: int, hidden: bool, keep: int):
-    """One forward over ``input_ids`` [B, n] through the wrapped model's own modules. ``mask``: additive
-    [B, 1, n, width]. Returns (logits of the last ``keep`` positions, or all when 0; hidden states or None)."""
+    """One forward over ``input_ids`` [B, n] with the wrapped model's weights. ``mask``: additive [B, 1, n, width].
+    Returns (logits of the last ``keep`` positions, or all when 0; hidden states or None)."""
     base = model.model
     h = base.embed_tokens(input_ids)  # [B, n, H]
-    cos_sin = base.rotary_emb(h, position_ids=position_ids)
-    writer = _Writer(keys, values, slots, width)
+    cos, sin = base.rotary_emb(h, position_ids=position_ids)  # [B, n, D]
     hs = [h] if hidden else None
-    for layer in base.layers[: model.config.num_hidden_layers]:
-        h = layer(h, attention_mask=mask, position_embeddings=cos_sin, position_ids=position_ids, cache=writer)
+    for i, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
+        h = _layer(layer, h, cos, sin, mask, slots, keys[i], values[i], width)
         if hidden:
             hs.append(h)
-    h = base.norm(h)
+    h = _rms(h, base.norm)
     if hidden:
         hs[-1] = h  # transformers' last hidden state is after the final norm
     logits = model.lm_head(h if keep == 0 else h[:, -keep:])
@@ -209,7 +232,8 @@ class FastTarget:
             # (measured here: a bf16 1-token forward 31 -> 26 ms). Inference only: weights changed after the
             # first call are not seen by the compiled graphs.
             torch._inductor.config.freezing = True
-            self._fn = torch.compile(_forward, dynamic=False)
+            # fullgraph: a graph break would compile each decoder layer as its own frame, guarded on its weights
+            self._fn = torch.compile(_forward, dynamic=False, fullgraph=True)
 
     def reserve(self, capacity: int) -> None:
         """Make every later cache at least this large (the bench reserves its longest request)."""
