@@ -1,7 +1,8 @@
 """A static KV cache and compiled forwards for the target: decoding near the roofline.
 
-Notebook 00 shows decoding is memory-bandwidth bound, but an eager transformers forward on a small model is
-dominated by per-layer Python and kernel-launch overhead. gpt-fast's recipe removes it: a KV cache
+Notebook 00 shows decoding is memory-bandwidth bound, yet an eager transformers forward on a small model carries
+per-call overhead on top of the weight reads: a cache grown by concatenation, masks rebuilt every call, Python and
+small kernels between the matmuls, matmul weights repacked on every call. gpt-fast's recipe removes it: a KV cache
 preallocated once and written in place at explicit slots, and forwards compiled for a few fixed shapes.
 
     StaticKVCache     keys / values [B, Hkv, capacity, D] per layer, a committed ``length``;
@@ -14,7 +15,8 @@ preallocated once and written in place at explicit slots, and forwards compiled 
                       cache, output_hidden_states, logits_to_keep). With a StaticKVCache:
                         eager (compile=False): attends over the written slots only — the reference
                         compiled: a block of n tokens is padded to the next bucket (1, 2, 4, ... 64), attends over
-                        the whole capacity with a mask, and runs one torch.compile'd graph per bucket
+                        the whole capacity with a mask, and runs one torch.compile'd graph per bucket (and per
+                        with / without hidden states); prefills run eagerly
                       With any other cache (a DynamicCache), the call goes to the wrapped model unchanged.
 
 The loops get a static cache from ``decoding.new_cache(model, capacity=...)`` when ``model`` is a FastTarget and

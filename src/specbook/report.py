@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = ROOT / "docs" / "bench"
 RESULTS = ROOT / "docs" / "RESULTS.md"
 README = ROOT / "README.md"
-README_RUNS = ("cpu_bf16_t0_eagle.json", "cpu_bf16_t1_eagle.json")  # the README's table: the current headline runs
+README_RUNS = ("cpu_bf16_t0_compiled.json", "cpu_bf16_t1_compiled.json")  # the README's table: the headline runs
 BEGIN, END = "<!-- results:begin (python -m specbook.report results) -->", "<!-- results:end -->"
 
 
@@ -122,7 +122,8 @@ def readme_block(bench_dir: Path = BENCH_DIR) -> str:
     """The README's results table: the headline runs' speedup (tau) per method, one column per run."""
     runs = [(n, json.loads((Path(bench_dir) / n).read_text())) for n in README_RUNS]
     methods = list(dict.fromkeys(r["method"] for _, d in runs for r in d["rows"]))
-    heads = [f"T = {d['settings']['temperature']}, {d['settings']['dtype']}" for _, d in runs]
+    heads = [f"T = {d['settings']['temperature']}, {d['settings']['dtype']}"
+             + (f", {d['settings']['forward']} forward" if "forward" in d["settings"] else "") for _, d in runs]
     lines = ["| method | " + " | ".join(heads) + " |", "|" + "---|" * (len(runs) + 1)]
     for m in methods:
         cells = []
