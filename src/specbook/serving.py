@@ -497,8 +497,9 @@ class _Loop:
                           use_cache=True, output_hidden_states=self.hidden, **kw)
         return out, self.kv.appended(q_owner)
 
-    def join(self, req: Request) -> float:
-        """Step 0 for one request: its prefill forward, its first token, its drafter begun. Returns its seconds."""
+    def join(self, req: Request, at: float) -> float:
+        """Step 0 for one request: its prefill forward, its first token, its drafter begun. ``at``: the server clock
+        when its prefill starts (after the prefills joined before it in this step). Returns its seconds."""
         t0 = time.perf_counter()
         out, _ = self._forward([(req.rid, req.prompt, 0)], logits_to_keep=1)  # the prompt's last position only
         first = int(sample(probs_from(out.logits[0, -1], self.sampling), self.generator))
@@ -513,7 +514,7 @@ class _Loop:
         stats.target_forwards = 1
         sync(self.target.device)
         dt = time.perf_counter() - t0
-        self.running.append(Running(req, state, d, stats, [first], len(req.prompt), self.clock + dt))
+        self.running.append(Running(req, state, d, stats, [first], len(req.prompt), at + dt))
         return dt
 
     def draft(self, live: list[int]) -> tuple[list, list]:
@@ -532,7 +533,7 @@ class _Loop:
             self.clock = queue[0].arrival
         prefill_s = 0.0
         while queue and len(self.running) < concurrency and queue[0].arrival <= self.clock + prefill_s:
-            prefill_s += self.join(queue.pop(0))
+            prefill_s += self.join(queue.pop(0), self.clock + prefill_s)
         self.clock += prefill_s
         live = [i for i, r in enumerate(self.running) if not done(r.new, self.eos, r.req.max_new_tokens)]
         t0 = time.perf_counter()
