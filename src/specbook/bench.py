@@ -798,7 +798,7 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
     are all built before the timed runs; their seconds are in the JSON (``settings.fast``), never in a figure."""
     import dataclasses
 
-    from .decoding import encode
+    from .decoding import MAX_BLOCK, encode
     from .models import load_model
 
     unknown = [m for m in methods if parse_variant_base(m) not in METHODS]
@@ -821,8 +821,6 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
     runners = {m: _variant_ctx(ctx, m) for m in methods}
     fast = [t for mode, t in loaded.targets.items() if mode != "hf"]
     for t in fast:  # one cache capacity for the whole run: one set of compiled graphs serves every request
-        from .decoding import MAX_BLOCK
-
         t.reserve(max(ids.shape[1] for ids, _ in encoded) + max_new_tokens + MAX_BLOCK)
     # warm-up: one short run of every method (allocations, thread pools, lazy state; a variant's own trees)
     for m, (fn, mctx) in runners.items():

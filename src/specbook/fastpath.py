@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .tree import additive_mask
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verification blocks are padded up to one of these (compiled mode): one graph
 # each (~25 s to compile for SmolLM2 on 2 cores); a bf16 forward over 32 slots costs little more than over 17
 SUPPORTED = ("llama",)  # the decoder layer fastpath._layer writes out (SmolLM2 is one)
@@ -89,7 +91,9 @@ class StaticKVCache:
 
 
 def _rms(x: torch.Tensor, norm) -> torch.Tensor:
-    """transformers' LlamaRMSNorm, op for op (float32 statistics, the weight applied in the input dtype)."""
+    """transformers' LlamaRMSNorm, op for op (float32 statistics, the weight applied in the input dtype). Written out
+    rather than called: the module's class is wrapped for kernels fetched from the hub, which a fullgraph compile
+    must not trace into."""
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * h.to(x.dtype)
@@ -120,9 +124,7 @@ def _layer(layer, h, cos, sin, mask, slots, k_cache, v_cache, width: int):
     o = torch.nn.functional.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, dropout_p=0.0,
                                                          scale=att.scaling)
     h = h + att.o_proj(o.transpose(1, 2).reshape(B, n, -1))
-    mlp = layer.mlp
-    x = _rms(h, layer.post_attention_layernorm)
-    return h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+    return h + layer.mlp(_rms(h, layer.post_attention_layernorm))
 
 
 def _forward(model, input_ids, position_ids, mask, slots, keys, values, width: int, hidden: bool, keep: int):
@@ -284,13 +286,13 @@ class FastTarget:
             self.stats.eager_calls += 1
             self.stats.fallbacks += int(self.compiled and past > 0)
             width = past + n
-            mask = _additive(allowed_mask(n, past, width, B, attention_mask), self.lm.dtype).to(dev)
+            mask = additive_mask(allowed_mask(n, past, width, B, attention_mask), self.lm.dtype).to(dev)
             slots = torch.arange(past, past + n, device=dev)
             logits, hs = _forward(self.lm, input_ids, position_ids, mask, slots, cache.keys, cache.values, width,
                                   output_hidden_states, logits_to_keep)
         else:
             width, pad = cache.capacity, bucket - n
-            mask = _additive(allowed_mask(n, past, width, B, attention_mask, rows=bucket), self.lm.dtype).to(dev)
+            mask = additive_mask(allowed_mask(n, past, width, B, attention_mask, rows=bucket), self.lm.dtype).to(dev)
             if pad:
                 input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(B, pad)], dim=1)
                 position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(B, pad)], dim=1)
@@ -338,10 +340,6 @@ def _graphs_built() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def fast_target(model, compile: bool = True, **kw) -> FastTarget:
