@@ -238,24 +238,7 @@ class FastTarget:
         self.buckets = tuple(buckets)
         self.stats = FastStats()
         self.min_capacity = 0  # reserve(): every cache of a run gets one capacity, so one set of graphs serves it
-        self._fn = None
-        if self.compiled:
-            import torch._dynamo
-            import torch._inductor.config
-
-            # one graph per bucket, with and without hidden states, per cache capacity: more than dynamo's
-            # default of 8 recompiles of one function
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            # freezing: the weights become constants of the graph, prepacked once for oneDNN's linear kernels
-            # (measured here: a bf16 1-token forward 31 -> 26 ms). Inference only: weights changed after the
-            # first call are not seen by the compiled graphs.
-            torch._inductor.config.freezing = True
-            # linears reading one input (q/k/v, gate/up) fused into one matmul, and the graph's calls made from
-            # C++ instead of Python: measured here together, a bf16 1-token forward 24 -> 18 ms, compile +30%
-            torch._inductor.config.cpp.enable_concat_linear = True
-            torch._inductor.config.cpp_wrapper = True
-            # fullgraph: a graph break would compile each decoder layer as its own frame, guarded on its weights
-            self._fn = torch.compile(_forward, dynamic=False, fullgraph=True)
+        self._fn = _compiled(_forward) if self.compiled else None
 
     def reserve(self, capacity: int) -> None:
         """Make every later cache at least this large (the bench reserves its longest request)."""
@@ -351,6 +334,27 @@ class FastTarget:
             self(input_ids=torch.zeros((1, 2), dtype=torch.long, device=dev), cache=cache)
             self(input_ids=torch.zeros((1, b), dtype=torch.long, device=dev), cache=cache, output_hidden_states=h)
         return dict(self.stats.warmup_s)
+
+
+def _compiled(fn):
+    """``fn`` compiled for fixed shapes, one graph per bucket (the settings every compiled forward here shares)."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    # one graph per bucket, with and without hidden states, per cache capacity:
+    # more than dynamo's default of 8 recompiles of one function
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 128)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
+    # freezing: the weights become constants of the graph, prepacked once for oneDNN's linear kernels
+    # (measured here: a bf16 1-token forward 31 -> 26 ms). Inference only: weights changed after the
+    # first call are not seen by the compiled graphs.
+    torch._inductor.config.freezing = True
+    # linears reading one input (q/k/v, gate/up) fused into one matmul, and the graph's calls made from
+    # C++ instead of Python: measured here together, a bf16 1-token forward 24 -> 18 ms, compile +30%
+    torch._inductor.config.cpp.enable_concat_linear = True
+    torch._inductor.config.cpp_wrapper = True
+    # fullgraph: a graph break would compile each decoder layer as its own frame, guarded on its weights
+    return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
 def _graphs_built() -> int:
