@@ -14,6 +14,19 @@ def test_results_page_is_regenerated_byte_for_byte():
     assert report.with_readme_block(readme, report.readme_block()) == readme
 
 
+def test_results_page_prices_drafting_and_shows_the_latency_curve():
+    """The results page says what each method would reach with free drafting (its step time minus the drafting) and
+    prints the run's latency(k) / latency(1): the two facts that bound a speculative speedup."""
+    from specbook.report import _latency_line, draft_free
+
+    assert draft_free({"speedup": 1.5, "draft_ms_per_step": 10.0, "verify_ms_per_step": 30.0}) == 2.0
+    assert draft_free({"speedup": 1.0, "tau": 1.0}) is None  # ar: no step split
+    line = _latency_line({"forward": "compiled", "latency_s_by_forward": {"compiled": {"1": 0.02, "16": 0.03}},
+                          "latency_s": {"1": 1.0}})
+    assert "k = 16: 1.50" in line and "latency(1) = 20.0 ms" in line
+    assert _latency_line({}) == ""
+
+
 def test_readme_block_needs_its_markers():
     with pytest.raises(ValueError, match="results markers"):
         report.with_readme_block("# no markers here\n", report.readme_block())

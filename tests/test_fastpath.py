@@ -231,3 +231,45 @@ def test_compiled_greedy_tokens_equal_eager_for_every_bench_method(real, monkeyp
     assert stats.compiled_calls > 0 and stats.recompiles == 0
     assert set(stats.warmup_s) <= {"1", "8", "32", "1+hidden", "8+hidden", "32+hidden"}
     assert res["settings"]["fast"]["compiled"]["warmup_total_s"] > 0
+
+
+def test_compact_rows_keeps_each_rows_real_slots():
+    """compact_rows: each row's kept slots, in order, right-aligned; the returned mask marks them; the rest is gone."""
+    cache = StaticKVCache(layers=2, batch=2, kv_heads=1, head_dim=3, capacity=16, dtype=torch.float32)
+    for k, v in zip(cache.keys, cache.values):
+        k[:, :, :6] = torch.arange(2 * 6 * 3, dtype=torch.float32).view(2, 1, 6, 3)
+        v[:, :, :6] = -k[:, :, :6]
+    cache.length = 6
+    keep = torch.tensor([[1, 0, 1, 1, 0, 0], [0, 1, 0, 0, 0, 1]], dtype=torch.bool)
+    before = cache.keys[0][:, :, :6].clone()
+    mask = cache.compact_rows(keep)
+    assert cache.length == 3 and mask.tolist() == [[1, 1, 1], [0, 1, 1]]
+    assert torch.equal(cache.keys[0][0, :, :3], before[0, :, [0, 2, 3]])
+    assert torch.equal(cache.keys[1][1, :, 1:3], before[1, :, [1, 5]])
+    assert torch.equal(cache.values[0][0, :, :3], -before[0, :, [0, 2, 3]])
+    with pytest.raises(ValueError, match="keep must be"):
+        cache.compact_rows(torch.ones(2, 5, dtype=torch.bool))
+
+
+def test_batch_loop_on_the_static_cache_equals_transformers_cache(model, monkeypatch):
+    """speculative_generate_batch with a FastTarget: a static cache of B rows whose rejected slots are holes, compacted
+    (compact_rows) when the next block would not fit: the same tokens as with transformers' cache, row by row."""
+    from specbook import decoding
+    from specbook.drafters.draft_model import DraftModelDrafter
+    from specbook.drafters.lookup import PromptLookupDrafter
+
+    monkeypatch.setattr(decoding, "MAX_BLOCK", 8)  # a 256-slot cache that the holes of 40 tokens overflow
+    calls = []
+    orig = StaticKVCache.compact_rows
+    monkeypatch.setattr(StaticKVCache, "compact_rows", lambda self, keep: calls.append(1) or orig(self, keep))
+    ids = torch.tensor([[1, 1, 5, 7, 9], [3, 4, 5, 6, 8], [2, 9, 9, 4, 1]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    draft = tiny_llama(vocab_size=48, hidden_size=32, layers=1, seed=5)
+    for make in (lambda: DraftModelDrafter(draft, gamma=7), lambda: PromptLookupDrafter(3)):
+        for fast in (FastTarget(model, compile=False), FastTarget(model, compile=True, buckets=(8,))):
+            a = decoding.speculative_generate_batch(model, [make() for _ in range(3)], ids, mask, max_new_tokens=40,
+                                                    eos_token_id=-1)
+            b = decoding.speculative_generate_batch(fast, [make() for _ in range(3)], ids, mask, max_new_tokens=40,
+                                                    eos_token_id=-1)
+            assert a.tokens == b.tokens
+    assert calls, "the holes should have overflowed the static cache at least once"

@@ -559,7 +559,7 @@ def speculative_generate_batch(
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     ctx = context_length(target)
     stats = SpecStats(rows=B)
-    cache = new_cache(target)
+    cache = new_cache(target, capacity=input_ids.shape[1] + max_new_tokens + MAX_BLOCK, batch=B)
     first, _ = _start(target, input_ids, cache, sampling, generator, stats, attention_mask)
     mask = attention_mask.clone()
     valid = attention_mask.sum(-1).tolist()  # real tokens of each row in the cache
@@ -580,6 +580,8 @@ def speculative_generate_batch(
         t1 = time.perf_counter()
         # 2. one batched forward; finished rows still feed one harmless query (masked out afterwards)
         block, bmask, pos = _batch_block(drafts, [s.tokens[-1] for s in states], valid, pad, ctx)
+        if getattr(cache, "capacity", None) is not None and mask.shape[1] + block.shape[1] > cache.capacity:
+            mask = cache.compact_rows(mask.bool())  # a static cache full of holes: every row's real slots kept
         mask = torch.cat([mask, bmask.to(dev)], dim=1)
         out = target(input_ids=block.to(dev), attention_mask=mask, position_ids=pos.to(dev), **cache_kw(cache),
                      use_cache=True)

@@ -19,14 +19,14 @@ preallocated once and written in place at explicit slots, and forwards compiled 
                         with / without hidden states); prefills run eagerly
                       With any other cache (a DynamicCache), the call goes to the wrapped model unchanged.
 
-The loops get a static cache from ``decoding.new_cache(model, capacity=...)`` when ``model`` is a FastTarget and
-they know how long the sequence can grow (plain decoding and the batch-1 speculative loop); the batched
-speculative loop and the serving loop keep transformers' dynamic cache (their rejected slots are holes that
-grow the cache, which a fixed capacity would have to bound).
+The loops get a static cache from ``decoding.new_cache(model, capacity=...)`` when ``model`` is a FastTarget: plain
+decoding, the batch-1 speculative loop, and the batched speculative loop, whose rejected slots are holes that grow
+the cache: when the next block would not fit, ``compact_rows`` drops every row's holes (a row's kept slots move into
+place, left-padded). The serving loop keeps transformers' dynamic cache.
 
 Padding slots of a bucket write K/V past the committed length, where nothing reads them (masked) and the next
 forward overwrites them. A block longer than the largest bucket runs the eager path (counted in ``stats``), a
-sequence beyond the capacity is an error naming the capacity.
+sequence beyond the capacity is an error naming the capacity (a padded bucket that would pass the end runs eagerly).
 """
 
 from __future__ import annotations
@@ -80,6 +80,28 @@ class StaticKVCache:
                 k[:, :, start:start + n] = k.index_select(2, idx)  # index_select copies first: overlap is safe
                 v[:, :, start:start + n] = v.index_select(2, idx)
         self.length = start + n
+
+    def compact_rows(self, keep: torch.Tensor) -> torch.Tensor:
+        """Drop every row's holes: keep [B, length] bool (True = a slot the row still reads). Row r's kept slots move,
+        in order, to the right end of [0, L) with L = the most any row keeps (left padding before them, as a
+        left-padded prompt has); positions were applied when the K/V were written, so nothing else changes.
+        Returns the new 2D attention mask [B, L] (1 = a real slot)."""
+        B = self.batch
+        if keep.shape != (B, self.length):
+            raise ValueError(f"keep must be [batch, length] = [{B}, {self.length}], got {list(keep.shape)}")
+        counts = keep.sum(1).tolist()
+        L = max(counts)
+        idx = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.long)
+        for r in range(B):
+            idx[r, L - counts[r]:] = keep[r].cpu().nonzero().flatten()
+            mask[r, L - counts[r]:] = 1
+        for k, v in zip(self.keys, self.values):
+            g = idx.to(k.device)[:, None, :, None].expand(B, k.shape[1], L, k.shape[3])
+            k[:, :, :L] = k.gather(2, g)  # gather copies first: overlap is safe
+            v[:, :, :L] = v.gather(2, g)
+        self.length = L
+        return mask.to(keep.device)
 
     def batch_select_indices(self, idx: torch.Tensor) -> None:
         self.keys = [k.index_select(0, idx) for k in self.keys]
@@ -283,6 +305,8 @@ class FastTarget:
         if position_ids is None:
             position_ids = torch.arange(past, past + n, device=dev)[None].expand(B, n)
         bucket = next((b for b in self.buckets if b >= n), None) if self.compiled else None
+        if bucket is not None and past + bucket > cache.capacity:
+            bucket = None  # the padded bucket would run past the cache's end (a cache made elsewhere): eager
         if bucket is None or n > 1 and past == 0:  # eager: compile=False, prefills, blocks above the buckets
             self.stats.eager_calls += 1
             self.stats.fallbacks += int(self.compiled and past > 0)

@@ -47,14 +47,34 @@ def _run_header(name: str, d: dict) -> str:
     return (f"## {name}\n\n{m.get('cpu', m.get('platform', '?'))}, {m.get('torch_threads', '?')} threads, "
             f"{s['dtype']}, {s['prompts']} prompts x {s['max_new_tokens']} tokens, temperature {s['temperature']}"
             f"{'' if s.get('top_p', 1.0) == 1.0 else ', top-p ' + str(s['top_p'])}{fwd}\n\n"
-            f"`{s.get('command', 'run_bench(...) from Python')}`\n")
+            f"`{s.get('command', 'run_bench(...) from Python')}`\n" + _latency_line(s))
+
+
+def _latency_line(s: dict) -> str:
+    """The run's measured target latency(k) / latency(1): what a verification block of k tokens costs."""
+    curve = s.get("latency_s_by_forward", {}).get(s.get("forward")) or s.get("latency_s")
+    if not curve:
+        return ""
+    one = curve["1"] if "1" in curve else curve[1]
+    ks = sorted(curve, key=int)
+    return ("\nTarget forward over k tokens, latency(k) / latency(1): "
+            + ", ".join(f"k = {k}: {curve[k] / one:.2f}" for k in ks) + f" (latency(1) = {1e3 * one:.1f} ms)\n")
+
+
+def draft_free(r: dict) -> float | None:
+    """The speedup the method would reach if drafting cost nothing: its measured speedup with each step's draft
+    time removed (verification, i.e. the target's forward over the block, and the loop's bookkeeping stay)."""
+    d, v = r.get("draft_ms_per_step"), r.get("verify_ms_per_step")
+    if not d or not v or not r.get("speedup"):
+        return None
+    return round(r["speedup"] * (d + v) / v, 2)
 
 
 def main_table(d: dict) -> str:
     """One run's rows: throughput, speedup against ``ar`` of the same run, tau, where a step's time goes."""
     cols = ["method", "tokens_per_s", "speedup", "tau", "draft_ms_per_step", "verify_ms_per_step"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in d["rows"]]
+    lines = ["| " + " | ".join(cols) + " | speedup if drafting were free |", "|" + "---|" * (len(cols) + 1)]
+    lines += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + f" | {_cell(draft_free(r))} |" for r in d["rows"]]
     return "\n".join(lines)
 
 
