@@ -266,9 +266,9 @@ def test_batch_loop_on_the_static_cache_equals_transformers_cache(model, monkeyp
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
     draft = tiny_llama(vocab_size=48, hidden_size=32, layers=1, seed=5)
     for make in (lambda: DraftModelDrafter(draft, gamma=7), lambda: PromptLookupDrafter(3)):
+        a = decoding.speculative_generate_batch(model, [make() for _ in range(3)], ids, mask, max_new_tokens=40,
+                                                eos_token_id=-1)
         for fast in (FastTarget(model, compile=False), FastTarget(model, compile=True, buckets=(8,))):
-            a = decoding.speculative_generate_batch(model, [make() for _ in range(3)], ids, mask, max_new_tokens=40,
-                                                    eos_token_id=-1)
             b = decoding.speculative_generate_batch(fast, [make() for _ in range(3)], ids, mask, max_new_tokens=40,
                                                     eos_token_id=-1)
             assert a.tokens == b.tokens

@@ -55,7 +55,7 @@ def _latency_line(s: dict) -> str:
     curve = s.get("latency_s_by_forward", {}).get(s.get("forward")) or s.get("latency_s")
     if not curve:
         return ""
-    one = curve["1"] if "1" in curve else curve[1]
+    one = curve["1"]  # JSON keys
     ks = sorted(curve, key=int)
     return ("\nTarget forward over k tokens, latency(k) / latency(1): "
             + ", ".join(f"k = {k}: {curve[k] / one:.2f}" for k in ks) + f" (latency(1) = {1e3 * one:.1f} ms)\n")
