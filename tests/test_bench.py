@@ -147,3 +147,49 @@ def test_block_settings_validate_and_variants_reach_them():
     for bad in ({"gamma": 0}, {"threshold": 1.5}, {"threshold": "high"}, {"threshold": None}):
         with pytest.raises(ValueError, match="gamma|threshold"):
             BlockSettings(**bad)
+
+
+def test_checkpoint_variants_read_another_folder_and_share_the_run(tmp_path):
+    """``M[checkpoints=F]``: the same method reading drafters from another folder, side by side with ``M`` in one
+    run; it loads its own drafters and shares the run's target, latency curves and draft vocabulary."""
+    from specbook.train import CKPT_DIR
+
+    assert bench.parse_variant(f"eagle2[checkpoints={tmp_path}]") == ("eagle2", {("drafters", "checkpoints"): str(tmp_path)})
+    assert bench.DrafterSettings().folder() == CKPT_DIR
+    assert bench.DrafterSettings(checkpoints=str(tmp_path)).folder() == tmp_path
+    assert bench.DrafterSettings(checkpoints="data/checkpoints").folder() == CKPT_DIR  # relative: the repo root
+    ctx = bench.BenchContext(model=None, tokenizer=None, sampling=None, max_new_tokens=1)
+    with pytest.raises(ValueError, match="checkpoints folder .*nowhere.* does not exist"):
+        bench._variant_ctx(ctx, "eagle2[checkpoints=/nowhere]")
+    _, vctx = bench._variant_ctx(ctx, f"eagle2[checkpoints={tmp_path}]")
+    _, again = bench._variant_ctx(ctx, f"medusa[checkpoints={tmp_path}]")
+    assert vctx.loaded is again.loaded is not ctx.loaded  # one sibling per folder
+    assert vctx.loaded.targets is ctx.loaded.targets and vctx.loaded.latency_by is ctx.loaded.latency_by
+    assert vctx.loaded.draft_vocab is ctx.loaded.draft_vocab and vctx.loaded.cards is not ctx.loaded.cards
+    assert bench.checkpoint(vctx, "eagle") == tmp_path / "eagle" and bench.checkpoint(ctx, "eagle") == CKPT_DIR / "eagle"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_variant_runs_the_other_folder(real, tmp_path):
+    """Medusa with the committed heads and with a copy of them in another folder: identical tokens and tau (the
+    same weights), the JSON names each folder and the corpus the heads were trained on; a folder without the
+    method's checkpoint is refused naming the file and how to train it."""
+    import shutil
+
+    from specbook.train import CKPT_DIR
+    from specbook.training import CheckpointError
+
+    model, tok = real
+    for suffix in (".json", ".safetensors"):
+        shutil.copy(CKPT_DIR / f"medusa{suffix}", tmp_path / f"medusa{suffix}")
+    v = f"medusa[checkpoints={tmp_path}]"
+    res = bench.run_bench(["medusa", v], load_prompts("eval", limit=1), max_new_tokens=12, model=model,
+                          tokenizer=tok, progress=False)
+    rows = {r["method"]: r for r in res["rows"]}
+    assert rows["medusa"]["tau"] == rows[v]["tau"] and rows["medusa"]["new_tokens"] == rows[v]["new_tokens"]
+    ck = res["settings"]["checkpoints"]
+    assert ck["medusa"]["medusa"]["folder"] == "data/checkpoints" and ck[v]["medusa"]["folder"] == str(tmp_path)
+    assert ck[v]["medusa"]["corpus_sha"] == ck["medusa"]["medusa"]["corpus_sha"] is not None
+    with pytest.raises(CheckpointError, match="needs both eagle.safetensors and eagle.json.*specbook.train eagle"):
+        bench.run_bench([f"eagle[checkpoints={tmp_path}]"], load_prompts("eval", limit=1), max_new_tokens=4,
+                        model=model, tokenizer=tok, progress=False)

@@ -133,3 +133,35 @@ def test_tour_summary_never_calls_smoke_figures_results(tmp_path, capsys):
     report.main([str(tmp_path)])
     out = capsys.readouterr().out
     assert "Results summary (full-size notebook runs)" in out and "Smoke" not in out
+
+
+def test_checkpoint_table_compares_two_sets_of_drafters_per_category():
+    """The results page's per-category table for ``M`` against ``M[checkpoints=F]``: tau per category, the change,
+    and both pooled (tokens / forwards) over the template categories and over the broad ones."""
+    v = "eagle2[checkpoints=data/checkpoints/template_corpus]"
+
+    def r(cat, m, tokens, forwards):
+        return {"category": cat, "method": m, "new_tokens": tokens, "target_forwards": forwards}
+
+    d = {"rows": [{"method": m} for m in ("ar", "eagle2", v)],
+         "by_category": [r("qa", "eagle2", 300, 100), r("qa", v, 200, 100), r("code_fix", "eagle2", 100, 50),
+                         r("code_fix", v, 100, 100), r("math_word", "eagle2", 90, 30), r("math_word", v, 90, 45),
+                         r("qa", "ar", 100, 100)],
+         "settings": {"checkpoints": {"eagle2": {"eagle": {"folder": "data/checkpoints", "corpus_sha": "new",
+                                                           "corpus_records": 2, "steps": 8}},
+                                      v: {"eagle": {"folder": "data/checkpoints/template_corpus", "corpus_sha": "old",
+                                                    "corpus_records": 1, "steps": 8}}}}}
+    assert report.checkpoint_pairs(d) == [("eagle2", v, "data/checkpoints/template_corpus")]
+    table = report.checkpoint_table(d)
+    assert "| qa | 2.0 | 3.0 | +50.0% |" in table and "| code_fix | 1.0 | 2.0 | +100.0% |" in table
+    assert "| **template categories** (1) | 2.0 | 3.0 | +50.0% |" in table
+    assert "| **broad categories** (2) | 1.31 | 2.375 | +81.3% |" in table  # (100+90)/(100+45), (100+90)/(50+30)
+    assert "data/checkpoints/template_corpus/eagle (corpus old" in table and "(corpus new, 2 records" in table
+    assert report.checkpoint_table({"rows": [{"method": "eagle2"}], "by_category": []}) == ""
+
+
+def test_template_categories_are_the_template_sets():
+    from specbook.prompts import TEMPLATE_CATEGORIES, build
+
+    tr, ev = build(broad=False)
+    assert set(TEMPLATE_CATEGORIES) == {r["category"] for r in tr + ev}

@@ -150,6 +150,29 @@ class BlockSettings:
         check_threshold(self.threshold)
 
 
+@dataclass(frozen=True)
+class DrafterSettings:
+    """Where the trained drafters are read from: "" = the committed ones (data/checkpoints), or a folder holding
+    METHOD.{safetensors,json} files, e.g. drafters trained on another corpus, so that ``eagle2`` and
+    ``eagle2[checkpoints=data/checkpoints/template_corpus]`` meet in one run (a relative folder: from the working
+    directory where it exists there, else from the repository root)."""
+
+    checkpoints: str = ""
+
+    def folder(self) -> Path:
+        from .prompts import ROOT
+        from .train import CKPT_DIR
+
+        if not self.checkpoints:
+            return CKPT_DIR
+        f = Path(self.checkpoints)
+        f = (f if f.is_absolute() or f.exists() else ROOT / f).resolve()
+        if not f.is_dir():
+            raise ValueError(f"checkpoints folder {self.checkpoints!r} does not exist: give a folder of "
+                             "METHOD.safetensors + METHOD.json files (as python -m specbook.train --out writes)")
+        return f
+
+
 FORWARDS = ("compiled", "static", "hf")
 
 
@@ -177,6 +200,7 @@ class Settings:
     eagle: EagleSettings = field(default_factory=EagleSettings)
     mtp: MtpSettings = field(default_factory=MtpSettings)
     block: BlockSettings = field(default_factory=BlockSettings)
+    drafters: DrafterSettings = field(default_factory=DrafterSettings)
 
 
 @dataclass
@@ -196,6 +220,16 @@ class Loaded:
     toy: object = None  # a parallel_heads.ToyMTP whose ``lm`` is the run's model (self_spec)
     targets: dict = field(default_factory=dict)  # forward mode -> the target run that way ("hf": the model itself)
     latency_by: dict = field(default_factory=dict)  # forward mode -> its latency curve (variants of another mode)
+    cards: dict = field(default_factory=dict)  # drafter kind -> the card of the checkpoint loaded
+    siblings: dict = field(default_factory=dict)  # checkpoints folder -> the Loaded of drafters read from there
+
+    def for_checkpoints(self, folder: str) -> "Loaded":
+        """The Loaded that holds drafters read from another checkpoints folder: its own drafters, and this run's
+        target, latency curves and draft vocabulary (one measurement serves both)."""
+        if folder not in self.siblings:
+            self.siblings[folder] = Loaded(draft_vocab=self.draft_vocab, latency=self.latency, toy=self.toy,
+                                           targets=self.targets, latency_by=self.latency_by)
+        return self.siblings[folder]
 
 
 @dataclass
@@ -221,6 +255,11 @@ def method(name: str, description: str = ""):
         return fn
 
     return deco
+
+
+def checkpoint(ctx: BenchContext, kind: str) -> Path:
+    """The checkpoint (path without suffix) a method of this context reads: ``settings.drafters`` folder / kind."""
+    return ctx.settings.drafters.folder() / kind
 
 
 def _timed(fn):
@@ -288,9 +327,9 @@ def draft_model_for(ctx: BenchContext):
     """The committed distilled draft for the bench target (loaded once)."""
     if ctx.loaded.draft_model is None:
         from .drafters.draft_model import load_draft_model
-        from .train import CKPT_DIR
 
-        ctx.loaded.draft_model, _ = load_draft_model(ctx.model, CKPT_DIR / "draft_model")
+        ctx.loaded.draft_model, ctx.loaded.cards["draft_model"] = load_draft_model(ctx.model,
+                                                                                  checkpoint(ctx, "draft_model"))
     return ctx.loaded.draft_model
 
 
@@ -413,9 +452,9 @@ def medusa_for(ctx: BenchContext):
     from .tree import sized_sparse_tree
 
     if ctx.loaded.medusa is None:
-        from .train import CKPT_DIR
 
-        ctx.loaded.medusa = load_medusa(ctx.model, CKPT_DIR / "medusa")
+        ctx.loaded.medusa = load_medusa(ctx.model, checkpoint(ctx, "medusa"))
+        ctx.loaded.cards["medusa"] = ctx.loaded.medusa[2]
     heads, vocab, card = ctx.loaded.medusa
     if "medusa" not in ctx.trees:
         s = ctx.settings.medusa
@@ -449,9 +488,9 @@ def eagle_for(ctx: BenchContext):
     ``settings.eagle.draft_cost``). The latency curve is measured with it ("auto" sizes need both)."""
     if ctx.loaded.eagle is None:
         from .drafters.eagle import load_eagle, measure_draft_cost
-        from .train import CKPT_DIR
 
-        head, vocab, card = load_eagle(ctx.model, CKPT_DIR / "eagle")
+        head, vocab, card = load_eagle(ctx.model, checkpoint(ctx, "eagle"))
+        ctx.loaded.cards["eagle"] = card
         cost = measure_draft_cost(ctx.model, head, vocab, top_k=ctx.settings.eagle.top_k)
         ctx.loaded.eagle = (head, vocab, card, cost)
     latency_for(ctx)
@@ -557,7 +596,8 @@ SETTINGS_GROUP = {"sps": "sps", "sps_rv": "sps", "hf_assisted": "sps", "pld": "l
 def parse_variant(name: str) -> tuple[str, dict[tuple[str, str], object]]:
     """A method run with some settings changed, so two settings of one method meet in one run (interleaved, one
     AR baseline): ``"eagle2[children=iid]"`` -> ``("eagle2", {("eagle", "children"): "iid"})``. A key is
-    ``group.field`` (a field of Settings' sps / lookup / medusa / eagle / mtp / block) or a field name only one group has;
+    ``group.field`` (a field of one of Settings' groups: target / sps / lookup / medusa / eagle / mtp / block /
+    drafters) or a field name only one group has, e.g. ``eagle2[checkpoints=FOLDER]``;
     several are separated by ``;``. Values: int, float, or the string as written."""
     import dataclasses
     import re
@@ -604,10 +644,13 @@ def _variant_ctx(ctx: BenchContext, name: str) -> tuple[MethodFn, BenchContext]:
     settings = ctx.settings
     for (grp, fld), val in over.items():
         settings = dataclasses.replace(settings, **{grp: dataclasses.replace(getattr(settings, grp), **{fld: val})})
-    model = ctx.model
+    model, loaded = ctx.model, ctx.loaded
     if settings.target.forward != ctx.settings.target.forward:  # ar[forward=hf]: the same run, another forward
         model = target_for(ctx.loaded, ctx.loaded.targets["hf"], settings.target.forward)
-    return METHODS[base], dataclasses.replace(ctx, settings=settings, trees={}, model=model)
+    if settings.drafters != ctx.settings.drafters:  # eagle2[checkpoints=F]: drafters trained elsewhere, same run
+        settings.drafters.folder()  # a missing folder is an error now, not in the middle of the run
+        loaded = ctx.loaded.for_checkpoints(settings.drafters.checkpoints)
+    return METHODS[base], dataclasses.replace(ctx, settings=settings, trees={}, model=model, loaded=loaded)
 
 
 def _interleaved(runners: dict, methods: list[str], prompts: list[dict], encoded: list, repeats: int, seed: int,
@@ -654,9 +697,9 @@ def eagle3_for(ctx: BenchContext):
     """The committed EAGLE-3 head, its card and one draft forward's measured cost (as eagle_for)."""
     if ctx.loaded.eagle3 is None:
         from .drafters.eagle3 import Eagle3Drafter, load_eagle3
-        from .train import CKPT_DIR
 
-        head, card = load_eagle3(ctx.model, CKPT_DIR / "eagle3")
+        head, card = load_eagle3(ctx.model, checkpoint(ctx, "eagle3"))
+        ctx.loaded.cards["eagle3"] = card
         cost = Eagle3Drafter(ctx.model, head, top_k=ctx.settings.eagle.top_k).measure_draft_cost()
         ctx.loaded.eagle3 = (head, card, cost)
     return ctx.loaded.eagle3
@@ -681,9 +724,9 @@ def mtp_for(ctx: BenchContext):
     from .drafters.mtp import auto_depth, load_mtp, measure_module_cost
 
     if ctx.loaded.mtp is None:
-        from .train import CKPT_DIR
 
-        mods, vocab, card = load_mtp(ctx.model, CKPT_DIR / "mtp")
+        mods, vocab, card = load_mtp(ctx.model, checkpoint(ctx, "mtp"))
+        ctx.loaded.cards["mtp"] = card
         ctx.loaded.mtp = (mods, vocab, card, measure_module_cost(ctx.model, mods, vocab))
     mods, vocab, card, cost = ctx.loaded.mtp
     if "mtp" not in ctx.trees:
@@ -719,9 +762,9 @@ def block_for(ctx: BenchContext, kind: str):
     """The committed DFlash or DSpark network, its card and one block forward's measured cost."""
     if getattr(ctx.loaded, kind) is None:
         from .drafters.dflash import load_block, measure_draft_cost
-        from .train import CKPT_DIR
 
-        net, card = load_block(ctx.model, CKPT_DIR / kind, kind)
+        net, card = load_block(ctx.model, checkpoint(ctx, kind), kind)
+        ctx.loaded.cards[kind] = card
         setattr(ctx.loaded, kind, (net, card, measure_draft_cost(ctx.model, net)))
     return getattr(ctx.loaded, kind)
 
@@ -779,6 +822,24 @@ def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
             if kind == "dspark":
                 out[kind]["threshold"] = ctx.settings.block.threshold
     return out
+
+
+# the checkpoints each method reads (settings.drafters.checkpoints / KIND)
+CHECKPOINT_KINDS = {"sps": ("draft_model",), "sps_rv": ("draft_model",), "hf_assisted": ("draft_model",),
+                    "medusa": ("medusa",), "medusa_typical": ("medusa",), "eagle": ("eagle",), "eagle2": ("eagle",),
+                    "eagle3": ("eagle3",), "eagle_chain": ("eagle", "mtp"), "mtp": ("mtp",), "dflash": ("dflash",),
+                    "dspark": ("dspark",)}
+
+
+def checkpoints_json(ctx: BenchContext, method: str) -> dict:
+    """The checkpoints a method read in this run: kind -> folder, the corpus it was trained on, its steps."""
+    from .prompts import ROOT
+
+    folder = ctx.settings.drafters.folder()
+    shown = str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder)
+    return {k: {"folder": shown, "corpus_sha": ctx.loaded.cards[k].get("corpus_sha"),
+                "corpus_records": ctx.loaded.cards[k].get("corpus_records"), "steps": ctx.loaded.cards[k].get("steps")}
+            for k in CHECKPOINT_KINDS.get(parse_variant_base(method), ()) if k in ctx.loaded.cards}
 
 
 def parse_variant_base(name: str) -> str:
@@ -847,6 +908,7 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                                       for m in methods if "[" in m}} if any("[" in m for m in methods) else {}),
                      "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)",
                      "forward": settings.target.forward,
+                     "checkpoints": {m: c for m, (_, mctx) in runners.items() if (c := checkpoints_json(mctx, m))},
                      **({"fast": {mode: t.stats.as_json() for mode, t in loaded.targets.items() if mode != "hf"}}
                         if fast else {})},
         "rows": rows,

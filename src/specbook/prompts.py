@@ -119,6 +119,10 @@ TASKS = [
 ]
 
 
+# the categories of the template set (build(broad=False)); every other category comes from broad_prompts
+TEMPLATE_CATEGORIES = ("coding", "math_reasoning", "multi_turn", "qa", "rag", "summarization", "translation", "writing")
+
+
 def _pick(seq, g: torch.Generator):
     return seq[int(torch.randint(len(seq), (1,), generator=g))]
 

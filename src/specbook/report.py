@@ -101,6 +101,61 @@ def category_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def checkpoint_pairs(d: dict) -> list[tuple[str, str, str]]:
+    """(method, its variant reading another checkpoints folder, that folder) for every ``M[checkpoints=F]`` row of a
+    run whose ``M`` also ran: the same method with two sets of trained drafters, side by side."""
+    import re
+
+    names = [r["method"] for r in d["rows"]]
+    out = []
+    for n in names:
+        m = re.fullmatch(r"([A-Za-z0-9_]+)\[checkpoints=([^\];]+)\]", n)
+        if m and m.group(1) in names:
+            out.append((m.group(1), n, m.group(2)))
+    return out
+
+
+def _tau(rows: list[dict]) -> float | None:
+    forwards = sum(r.get("target_forwards") or 0 for r in rows)
+    return round(sum(r["new_tokens"] for r in rows) / forwards, 3) if forwards else None
+
+
+def checkpoint_table(d: dict) -> str:
+    """tau per category for each method with the committed checkpoints against the same method with another
+    folder's (``checkpoint_pairs``), the change in percent, and both over the template categories and over the
+    broad ones (prompts.TEMPLATE_CATEGORIES)."""
+    from .prompts import TEMPLATE_CATEGORIES
+
+    pairs = checkpoint_pairs(d)
+    cats = sorted({r["category"] for r in d.get("by_category", [])}, key=category_key)
+    if not pairs or not cats:
+        return ""
+    by = {(r["category"], r["method"]): r for r in d["by_category"]}
+    head = "| category |" + "".join(f" {v} | {m} | change |" for m, v, _ in pairs)
+    lines = [head, "|" + "---|" * (1 + 3 * len(pairs))]
+
+    def row(label: str, group: list[str]) -> str:
+        cells = []
+        for m, v, _ in pairs:
+            old, new = (_tau([by[c, x] for c in group if (c, x) in by]) for x in (v, m))
+            change = f"{100 * (new / old - 1):+.1f}%" if old and new else ""
+            cells.append(f" {_cell(old)} | {_cell(new)} | {change} |")
+        return f"| {label} |" + "".join(cells)
+
+    lines += [row(c, [c]) for c in cats]
+    template = [c for c in cats if c in TEMPLATE_CATEGORIES]
+    broad = [c for c in cats if c not in TEMPLATE_CATEGORIES]
+    lines += [row(f"**template categories** ({len(template)})", template),
+              row(f"**broad categories** ({len(broad)})", broad)]
+    ck = d["settings"].get("checkpoints", {})
+    read = list(dict.fromkeys(f"`{n}` read {c.get('folder')}/{k} (corpus {c.get('corpus_sha')}, {c.get('corpus_records')} "
+                              f"records, {c.get('steps')} steps)"
+                              for m, v, _ in pairs for n in (v, m) for k, c in ck.get(n, {}).items()))
+    return ("tau per category: each method with the committed checkpoints against the same method reading another "
+            "folder's (change = committed / other - 1).\n\n" + "\n".join(lines)
+            + (f"\n\n{'; '.join(read)}.\n" if read else "\n"))
+
+
 def serving_section(name: str, d: dict) -> str:
     """A serving sweep (``python -m specbook.serving bench``): every policy at every concurrency, and how close the
     trace-driven simulator comes to those real runs."""
@@ -135,6 +190,9 @@ def results_page(bench_dir: Path = BENCH_DIR) -> str:
         cat = category_table(d)
         if cat:
             parts.append(cat + "\n")
+        ck = checkpoint_table(d)
+        if ck:
+            parts.append(ck)
     return "\n".join(parts)
 
 
