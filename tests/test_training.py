@@ -334,3 +334,20 @@ def test_broad_prompts_split_by_source():
     assert all(len(r["turns"]) == 2 for r in recs if r["category"] == "multi_turn")
     src = "def f(a, b):\n    return a == b"
     assert plant_bug(src, torch.Generator().manual_seed(0)) == "def f(a, b):\n    return a != b"
+
+
+def test_features_for_several_methods_is_the_union_of_their_layers():
+    """``--features-for``: one store for the union of the methods' layers (the trained method's first), so one
+    pass of the target over the corpus serves each of them."""
+    from types import SimpleNamespace
+
+    from specbook.drafters.dflash import default_taps as dflash_taps
+    from specbook.drafters.eagle3 import default_taps as eagle3_taps
+    from specbook.train import feature_layers
+
+    cfg = SimpleNamespace(num_hidden_layers=30)
+    assert feature_layers(["eagle"], cfg) == (-1,)
+    both = feature_layers(["eagle", "eagle3", "dflash", "mtp"], cfg)
+    assert both[0] == -1 and set(both) == {-1, *eagle3_taps(30), *dflash_taps(30)} and len(both) == len(set(both))
+    with pytest.raises(SystemExit, match="unknown method.*nope"):
+        feature_layers(["eagle", "nope"], cfg)
