@@ -156,6 +156,7 @@ def test_checkpoint_table_compares_two_sets_of_drafters_per_category():
     assert "| qa | 2.0 | 3.0 | +50.0% |" in table and "| code_fix | 1.0 | 2.0 | +100.0% |" in table
     assert "| **template categories** (1) | 2.0 | 3.0 | +50.0% |" in table
     assert "| **broad categories** (2) | 1.31 | 2.375 | +81.3% |" in table  # (100+90)/(100+45), (100+90)/(50+30)
+    assert f"eagle2: 0.79 committed, 0.66 {v}" in table  # 2.375 / 3.0 and 1.31 / 2.0
     assert "data/checkpoints/template_corpus/eagle (corpus old" in table and "(corpus new, 2 records" in table
     assert report.checkpoint_table({"rows": [{"method": "eagle2"}], "by_category": []}) == ""
 

@@ -147,12 +147,18 @@ def checkpoint_table(d: dict) -> str:
     broad = [c for c in cats if c not in TEMPLATE_CATEGORIES]
     lines += [row(f"**template categories** ({len(template)})", template),
               row(f"**broad categories** ({len(broad)})", broad)]
+    ratios = []
+    for m, v, _ in pairs:
+        pooled = {x: [_tau([by[c, x] for c in g if (c, x) in by]) for g in (broad, template)] for x in (m, v)}
+        if all(b and t for b, t in pooled.values()):
+            ratios.append(f"{m}: {pooled[m][0] / pooled[m][1]:.2f} committed, {pooled[v][0] / pooled[v][1]:.2f} {v}")
     ck = d["settings"].get("checkpoints", {})
     read = list(dict.fromkeys(f"`{n}` read {c.get('folder')}/{k} (corpus {c.get('corpus_sha')}, {c.get('corpus_records')} "
                               f"records, {c.get('steps')} steps)"
                               for m, v, _ in pairs for n in (v, m) for k, c in ck.get(n, {}).items()))
     return ("tau per category: each method with the committed checkpoints against the same method reading another "
             "folder's (change = committed / other - 1).\n\n" + "\n".join(lines)
+            + ("\n\ntau over the broad categories / over the template categories: " + "; ".join(ratios) if ratios else "")
             + (f"\n\n{'; '.join(read)}.\n" if read else "\n"))
 
 
