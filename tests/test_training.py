@@ -351,3 +351,49 @@ def test_features_for_several_methods_is_the_union_of_their_layers():
     assert both[0] == -1 and set(both) == {-1, *eagle3_taps(30), *dflash_taps(30)} and len(both) == len(set(both))
     with pytest.raises(SystemExit, match="unknown method.*nope"):
         feature_layers(["eagle", "nope"], cfg)
+
+
+def test_features_of_padded_batches_equal_each_sequences_own_forward(tiny_corpus, tiny_target, tmp_path):
+    """The build batches sequences of different lengths, right-padded and without a mask: every sequence's rows must
+    still be what the target computes on that sequence alone."""
+    corpus, _ = tiny_corpus
+    store = load_or_build(tiny_target, corpus, (-1, 2), root=tmp_path / "feats", progress=False, batch_tokens=256)
+    lengths = {len(corpus.sequence(i)) for i in range(len(corpus))}
+    assert len(lengths) > 1  # the batches do hold padding
+    for i in range(len(corpus)):
+        seq = torch.from_numpy(corpus.sequence(i))[None]
+        with torch.no_grad():
+            o = tiny_target.model(input_ids=seq, output_hidden_states=True)
+        off = int(corpus.index[i, 0])
+        got = store.rows(off, off + seq.shape[1])
+        want = torch.stack([o.last_hidden_state[0], o.hidden_states[2][0]], dim=1).to(torch.bfloat16)
+        assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2), i
+
+
+def test_an_interrupted_feature_build_resumes_where_it_stopped(tiny_corpus, tiny_target, tmp_path, monkeypatch):
+    """A build killed mid-way (a session ending) goes on from its last recorded batch: the target runs only over
+    what is left, and the store equals one built in a single go."""
+    corpus, _ = tiny_corpus
+    decoder, forward = tiny_target.model, tiny_target.model.forward
+    calls, dies_after = [], [2]
+
+    def counted(*a, **kw):  # the target's decoder, failing on the batch after `dies_after`
+        calls.append(kw["input_ids"].shape[0])
+        if dies_after[0] is not None and len(calls) > dies_after[0]:
+            raise KeyboardInterrupt("session ended")
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(decoder, "forward", counted)
+    root = tmp_path / "feats"
+    with pytest.raises(KeyboardInterrupt):
+        load_or_build(tiny_target, corpus, (-1,), root=root, progress=False, batch_tokens=128)
+    first = list(calls)
+    calls.clear()
+    dies_after[0] = None
+    store = load_or_build(tiny_target, corpus, (-1,), root=root, progress=False, batch_tokens=128)
+    resumed = list(calls)
+    monkeypatch.undo()
+    whole = load_or_build(tiny_target, corpus, (-1,), root=tmp_path / "whole", progress=False, batch_tokens=128)
+    assert len(first) == 3 and sum(resumed) + sum(first[:2]) == len(corpus)  # the 2 finished batches were not rerun
+    assert np.array_equal(np.asarray(store.data), np.asarray(whole.data))
+    assert not (store.path / "progress.json").exists()

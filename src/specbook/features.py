@@ -91,7 +91,9 @@ def open_store(path: Path) -> FeatureStore:
 @torch.inference_mode()
 def build(target, corpus: Corpus, layers: tuple[int, ...], out: Path, batch_tokens: int = 8192,
           progress: bool = True) -> FeatureStore:
-    """Run the target over every corpus sequence once; write features to ``out`` atomically."""
+    """Run the target over every corpus sequence once; write features to ``out`` atomically. Resumable: an
+    interrupted build (``out``.tmp, its progress.json naming the same target, corpus, layers and batching) goes on
+    from the last batch it recorded instead of starting over."""
     from tqdm.auto import tqdm
 
     from .models import fingerprint
@@ -99,12 +101,16 @@ def build(target, corpus: Corpus, layers: tuple[int, ...], out: Path, batch_toke
     H = target.config.hidden_size
     T = int(corpus.tokens.shape[0])
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    mm = np.memmap(tmp / "feats.bin", dtype=np.int16, mode="w+", shape=(T, len(layers), H))
+    job = {"target_fingerprint": fingerprint(target), "corpus_sha": corpus.sha, "layers": list(layers),
+           "shape": [T, len(layers), H], "batch_tokens": batch_tokens}
+    done = _resumable(tmp, job)
+    if done == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    mm = np.memmap(tmp / "feats.bin", dtype=np.int16, mode="r+" if done else "w+", shape=(T, len(layers), H))
     order = sorted(range(len(corpus)), key=lambda i: int(corpus.index[i, 1] + corpus.index[i, 2]))
     batches, cur, cur_len = [], [], 0
-    for i in order:  # group similar lengths; right padding is harmless for a causal model
+    for i in order:  # group similar lengths; right padding needs no mask (below)
         n = int(corpus.index[i, 1] + corpus.index[i, 2])
         if cur and max(cur_len, n) * (len(cur) + 1) > batch_tokens:
             batches.append(cur)
@@ -114,28 +120,48 @@ def build(target, corpus: Corpus, layers: tuple[int, ...], out: Path, batch_toke
     if cur:
         batches.append(cur)
     dev = target.device
-    for b in tqdm(batches, desc="features", disable=not progress):
+    for k, b in enumerate(tqdm(batches[done:], desc="features", disable=not progress, initial=done,
+                               total=len(batches)), start=done):
         seqs = [corpus.sequence(i) for i in b]
         L = max(len(s) for s in seqs)
         ids = torch.zeros(len(b), L, dtype=torch.long)
-        mask = torch.zeros(len(b), L, dtype=torch.long)
         for r, s in enumerate(seqs):
             ids[r, :len(s)] = torch.from_numpy(s)
-            mask[r, :len(s)] = 1
-        o = target.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True)
+        # no attention mask: under causal attention a real token never sees the padding after it, and without a
+        # mask SDPA runs its causal kernel instead of a masked one (1.5x faster at 2k tokens; same real-token rows)
+        o = target.model(input_ids=ids.to(dev), output_hidden_states=True)
         hs = [o.last_hidden_state if i == -1 else o.hidden_states[i] for i in layers]
         stacked = torch.stack(hs, dim=2).to(torch.bfloat16).cpu()  # [B, L, n_layers, H]
         for r, (i, s) in enumerate(zip(b, seqs)):
             off = int(corpus.index[i, 0])
             mm[off:off + len(s)] = stacked[r, :len(s)].view(torch.int16).numpy()
-    mm.flush()
+        mm.flush()  # what progress.json names is on disk (a batch is ~10 MB of features)
+        _write_json(tmp / "progress.json", {**job, "batches_done": k + 1})
     del mm
+    (tmp / "progress.json").unlink()
     meta = {"target_fingerprint": fingerprint(target), "corpus_sha": corpus.sha, "layers": list(layers),
             "shape": [T, len(layers), H], "dtype": "bfloat16-bits-as-int16", "target_dtype": str(target.dtype)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return open_store(out)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(obj))
+    os.replace(part, path)
+
+
+def _resumable(tmp: Path, job: dict) -> int:
+    """Batches an interrupted build of this very job already wrote to ``tmp`` (0 = start over)."""
+    try:
+        prog = json.loads((tmp / "progress.json").read_text())
+        size_ok = (tmp / "feats.bin").stat().st_size == int(np.prod(job["shape"])) * 2
+    except (OSError, ValueError):
+        return 0
+    same = all(prog.get(k) == v for k, v in job.items())
+    return int(prog.get("batches_done", 0)) if same and size_ok else 0
 
 
 def load_or_build(target, corpus: Corpus, layers: tuple[int, ...] = (-1,), root: Path | None = None,
