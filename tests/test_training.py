@@ -386,7 +386,7 @@ def test_an_interrupted_feature_build_resumes_where_it_stopped(tiny_corpus, tiny
     monkeypatch.setattr(decoder, "forward", counted)
     root = tmp_path / "feats"
     with pytest.raises(KeyboardInterrupt):
-        load_or_build(tiny_target, corpus, (-1,), root=root, progress=False, batch_tokens=128)
+        load_or_build(tiny_target, corpus, (-1,), root=root, progress=False, batch_tokens=128, save_every_s=0)
     first = list(calls)
     calls.clear()
     dies_after[0] = None

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,10 +91,11 @@ def open_store(path: Path) -> FeatureStore:
 
 @torch.inference_mode()
 def build(target, corpus: Corpus, layers: tuple[int, ...], out: Path, batch_tokens: int = 8192,
-          progress: bool = True) -> FeatureStore:
+          progress: bool = True, save_every_s: float = 60.0) -> FeatureStore:
     """Run the target over every corpus sequence once; write features to ``out`` atomically. Resumable: an
     interrupted build (``out``.tmp, its progress.json naming the same target, corpus, layers and batching) goes on
-    from the last batch it recorded instead of starting over."""
+    from the last batch it recorded (progress is saved every ``save_every_s`` seconds: a synchronous flush of the
+    memory map per batch would cost more than the batch's own writes) instead of starting over."""
     from tqdm.auto import tqdm
 
     from .models import fingerprint
@@ -120,6 +122,7 @@ def build(target, corpus: Corpus, layers: tuple[int, ...], out: Path, batch_toke
     if cur:
         batches.append(cur)
     dev = target.device
+    saved = time.monotonic()
     for k, b in enumerate(tqdm(batches[done:], desc="features", disable=not progress, initial=done,
                                total=len(batches)), start=done):
         seqs = [corpus.sequence(i) for i in b]
@@ -135,10 +138,13 @@ def build(target, corpus: Corpus, layers: tuple[int, ...], out: Path, batch_toke
         for r, (i, s) in enumerate(zip(b, seqs)):
             off = int(corpus.index[i, 0])
             mm[off:off + len(s)] = stacked[r, :len(s)].view(torch.int16).numpy()
-        mm.flush()  # what progress.json names is on disk (a batch is ~10 MB of features)
-        _write_json(tmp / "progress.json", {**job, "batches_done": k + 1})
+        if time.monotonic() - saved >= save_every_s:
+            mm.flush()  # what progress.json names is on disk
+            _write_json(tmp / "progress.json", {**job, "batches_done": k + 1})
+            saved = time.monotonic()
+    mm.flush()
     del mm
-    (tmp / "progress.json").unlink()
+    (tmp / "progress.json").unlink(missing_ok=True)
     meta = {"target_fingerprint": fingerprint(target), "corpus_sha": corpus.sha, "layers": list(layers),
             "shape": [T, len(layers), H], "dtype": "bfloat16-bits-as-int16", "target_dtype": str(target.dtype)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
