@@ -72,6 +72,58 @@ def test_auto_size_counts_the_drafting_time():
     assert auto_size([.9, .8, .1, .05], lat, 64, overhead=0.0) == 2
 
 
+def test_nodes_to_add_grows_a_held_tree_by_hand():
+    from specbook.roofline import nodes_to_add
+
+    lat = {1: 1.0, 2: 1.0, 4: 1.1, 8: 2.0}
+    # held .9 (rate 1.9 / lat(2) = 1.9); + .8: 2.7 / lat(3) 1.05 = 2.57; + .1: 2.8 / 1.1 = 2.55 -> add 1
+    assert nodes_to_add([.9], [.8, .1, .05], lat, 64) == 1
+    # the same values as auto_size's example, grown from nothing: the same answer
+    assert nodes_to_add([], [.9, .8, .1, .05], lat, 64) == auto_size([.9, .8, .1, .05], lat, 64) == 2
+    assert nodes_to_add([.9, .8], [.1, .05], lat, 64) == 0  # what was drawn stays; nothing more pays
+    assert nodes_to_add([.9], [.8, .7], {1: 1.0, 64: 1.0}, 2) == 1  # never above max_nodes
+    assert nodes_to_add([.5], [], lat, 64) == 0
+
+
+def test_sampled_growth_draws_what_the_budget_allows_and_budgets_before_drawing():
+    """grow_sampled with a budget: each depth draws the budget's count of its best candidates, and the budget sees
+    only pre-draw keys (the held nodes' admission keys and this depth's candidate keys, descending)."""
+    import math
+
+    from specbook.drafters.eagle.dynamic import grow_sampled
+
+    V, seen = 6, []
+    q_row = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0])
+    g = torch.Generator().manual_seed(0)
+
+    def q_of(f):
+        return q_row.expand(f.shape[0], V)
+
+    def draw(q, counts):
+        out = []
+        for row, n in zip(q, counts):
+            ids = torch.multinomial(row, n, replacement=False, generator=g).tolist()
+            out.append((ids, [math.log(row[i]) for i in ids], row.expand(n, V)))
+        return out
+
+    def budget(keys, cand):
+        seen.append((list(keys), list(cand)))
+        return [2, 1, 0][len(seen) - 1]
+
+    pool = grow_sampled(torch.zeros(4), lambda pool, fr: torch.zeros(len(fr), 4), depth=4, width=3, q_of=q_of,
+                        draw=draw, budget=budget)
+    assert pool.dep == [0, 0, 1]  # 2 root children, 1 grandchild, then the budget stopped the growth
+    lq = q_row[:3].log().tolist()
+    assert seen[0] == ([], lq)  # the root's candidates: log q of ranks 0..2
+    assert seen[1][0] == lq[:2] and seen[1][1] == sorted(seen[1][1], reverse=True) and len(seen[1][1]) == 3
+    assert len(seen[2][0]) == 3 and seen[2][0][2] == seen[1][1][0]  # the grandchild holds the key it was admitted with
+    # the root always draws at least one
+    seen.clear()
+    one = grow_sampled(torch.zeros(4), lambda pool, fr: torch.zeros(len(fr), 4), depth=2, width=3, q_of=q_of,
+                       draw=draw, budget=lambda keys, cand: 0)
+    assert one.dep == [0]
+
+
 def test_worth_expanding_by_hand():
     lat = {1: 1.0, 64: 1.0}  # flat: verification cost does not grow with the tree
     # in hand: nodes .5, .2 -> rate (1 + .7) / (overhead 1 + 1) = .85

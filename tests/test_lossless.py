@@ -141,12 +141,18 @@ DRAFTERS = {
     "eagle_dynamic_noreplace": lambda t: Eagle2Drafter(t, _eagle_head(t), depth=3, top_k=2, total_tokens=6,
                                                        children="noreplace"),
     "eagle_dynamic_iid": lambda t: Eagle2Drafter(t, _eagle_head(t), depth=2, top_k=2, total_tokens=4, children="iid"),
+    # "auto": each depth draws what a steep latency curve pays for, 1 to 3 nodes per depth (roofline.nodes_to_add)
+    "eagle_dynamic_noreplace_auto": lambda t: Eagle2Drafter(t, _eagle_head(t), depth=3, top_k=3, total_tokens="auto",
+                                                            latency=STEEP, draft_cost=0.0, children="noreplace"),
     "mtp": lambda t: MTPDrafter(t, _mtp_modules(t)),
     "eagle3": lambda t: Eagle3Drafter(t, _eagle3_head(t), depth=2, top_k=2, total_tokens=4),
     "dflash": lambda t: BlockDrafter(t, _block_net(t)),
     # a static survival threshold that cuts most blocks to 1 of their 2 tokens
     "dspark": lambda t: BlockDrafter(t, _block_net(t, rank=4, seed=1, noise=0.05), threshold=0.25),
 }
+
+
+STEEP = {1: 1.0, 2: 1.1, 4: 1.6, 8: 3.0}  # a made-up latency curve (seconds) under which tree sizes vary by step
 
 
 CORE = ["sps_chain", "iid_tree", "onehot_tree", "medusa", "eagle_static", "eagle_dynamic", "mtp", "eagle3", "dspark",

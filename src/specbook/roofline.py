@@ -275,6 +275,23 @@ def auto_size(values: list[float], latency: dict[int, float], max_nodes: int, ov
     return 1 + max(range(len(rates)), key=lambda i: (rates[i], -i)) if rates else 1
 
 
+def nodes_to_add(held: list[float], candidates: list[float], latency: dict[int, float], max_nodes: int,
+                 overhead: float = 0.0) -> int:
+    """How many of ``candidates`` (values, best first) a tree already holding nodes worth ``held`` should add:
+    the m in 0..len(candidates) maximising (1 + sum(held) + the m best) / (overhead + latency(len(held) + m + 1)),
+    the tree never above ``max_nodes``. auto_size's rule for a tree grown depth by depth, where the nodes already
+    drawn stay (a sampled tree cannot drop a node by what it turned out to be)."""
+    acc = 1.0 + sum(held)
+    n = len(held)
+    best, best_rate = 0, acc / (overhead + interp_latency(latency, n + 1))
+    for m, v in enumerate(candidates[:max(0, max_nodes - n)], start=1):
+        acc += v
+        rate = acc / (overhead + interp_latency(latency, n + m + 1))
+        if rate > best_rate:
+            best, best_rate = m, rate
+    return best
+
+
 def expected_tokens_per_step(alpha: float, gamma: int) -> float:
     """Leviathan et al. eq. (1): E[tokens per target forward] = (1 - alpha^(gamma+1)) / (1 - alpha)."""
     if not 0 <= alpha <= 1:

@@ -10,7 +10,7 @@ from typing import Literal, get_args
 import torch
 
 from ...decoding import Drafter, SpecState
-from ...roofline import auto_size
+from ...roofline import auto_size, nodes_to_add
 from ...sampling import gumbel_top_k, probs_from, without_replacement_rows
 from ...tree import additive_mask, tree_from_choices
 from ...verify import DraftTree
@@ -283,8 +283,9 @@ class Eagle2Drafter(EagleRunner):
                   confidence-as-acceptance. Only the tree's size and depth move.
     children      "topk" (the paper: top-k picks and the rerank); at T > 0 "iid" / "noreplace" draw the children
                   from q instead and grow the tree with ``dynamic.grow_sampled`` (no rerank by what was drawn;
-                  ``top_k`` = nodes per depth; the first ``total_tokens`` nodes, or up to ``max_auto`` when the
-                  expansion stops by the cost model in "auto").
+                  ``top_k`` = nodes per depth at most; the first ``total_tokens`` nodes, or in "auto" each depth
+                  draws as many nodes as the latency curve pays for, judged before the draws:
+                  ``roofline.nodes_to_add`` over the nodes' pre-draw keys).
     """
 
     def __init__(self, target, head: EagleHead, vocab: torch.Tensor | None = None, *, depth: int = 5,
@@ -341,9 +342,14 @@ class Eagle2Drafter(EagleRunner):
             return worth_expanding(confidences(pool), mass, self.latency, self.max_auto,
                                    (self.forwards - start) * c, c)
 
+        def budget(keys: list[float], cand: list[float]) -> int:  # sampled trees: what each depth may draw
+            value = [min(1.0, cal * math.exp(k)) for k in keys], [min(1.0, cal * math.exp(k)) for k in cand]
+            return nodes_to_add(*value, self.latency, self.max_auto, (self.forwards - start) * c)
+
         stop = keep_going if auto and self.draft_cost is not None else None
         if self._sampled():
-            pool = grow_sampled(f_root, expand, self.depth, self.top_k, self._q, self._draw_from, keep_going=stop)
+            pool = grow_sampled(f_root, expand, self.depth, self.top_k, self._q, self._draw_from, keep_going=stop,
+                                budget=budget if auto else None)
             cap = self.max_auto if auto else self.total_tokens
             return pool.tree_in_order(cap, self.rule)
         pool = grow_dynamic(self._logp(f_root), lambda pool, fr: self._logp(expand(pool, fr)), self.depth, self.top_k,

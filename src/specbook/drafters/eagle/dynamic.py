@@ -134,7 +134,8 @@ def path_outcomes(trace: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(conf, dtype=torch.float64), torch.tensor(kept, dtype=torch.float64)
 
 
-def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, draw, keep_going=None) -> Pool:
+def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, draw, keep_going=None,
+                 budget=None) -> Pool:
     """EAGLE-2's expansion with SAMPLED children, lossless by construction.
 
     Verification (verify.py) is exact when every node's presence is decided before it is drawn — by its
@@ -147,8 +148,13 @@ def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, dra
     from x's q (``draw``). ``q_of(f)`` -> the draft's distributions [F, Vd] at predicted features f (computed
     once per depth: the ranks' keys and the draws read the same q); ``draw(q, counts)`` -> per row (ids, log q of
     the draws, q rows) as EagleRunner._draw_from. ``keep_going`` as grow_dynamic (it reads only nodes drawn
-    before the depth it decides)."""
+    before the depth it decides). ``budget(keys, cand)``, if given, decides before each depth's draws how many of
+    its candidates to draw, best first (0 stops; the root draws at least one): ``keys`` = the pre-draw key every
+    node already in the tree was admitted with, ``cand`` = this depth's candidate keys, sorted descending (log
+    scale; a root child of rank c has key log q_c(root)). Everything it reads is known before the draws it
+    sizes, so the tree stays lossless; the keys are the tree's own estimate of what each node is worth."""
     pool = Pool()
+    keys: list[float] = []  # per pool node, the pre-draw key it was admitted with
 
     def add_children(parents: list[int], q_rows: torch.Tensor, counts: list[int]) -> list[int]:
         new = []
@@ -157,7 +163,11 @@ def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, dra
             new += [pool.add(t, j, base + lp, dep, rows[i]) for i, (t, lp) in enumerate(zip(ids, lps))]
         return new
 
-    frontier = add_children([-1], q_of(f_root[None]), [width])
+    q0 = q_of(f_root[None])  # [1, Vd]
+    v0 = [x for x in q0[0].topk(min(width, q0.shape[-1])).values.log().tolist() if x > float("-inf")]
+    n0 = width if budget is None else max(1, budget(keys, v0))
+    frontier = add_children([-1], q0, [n0])
+    keys += (v0 + [float("-inf")] * width)[:n0]
     for _ in range(1, depth):
         if not frontier or (keep_going is not None and not keep_going(pool, frontier)):
             break
@@ -165,7 +175,13 @@ def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, dra
         v = q.topk(width, -1).values.log().tolist()  # [F, width] sorted descending
         cand = sorted(((pool.score[j] + v[r][c], r, c) for r, j in enumerate(frontier) for c in range(width)
                        if v[r][c] > float("-inf")), key=lambda t: (-t[0], t[1], t[2]))[:width]
+        if budget is not None:
+            cand = cand[:budget(keys, [k for k, _, _ in cand])]
+            if not cand:
+                break
         counts = [sum(1 for _, r2, _ in cand if r2 == r) for r in range(len(frontier))]
         rows = [r for r in range(len(frontier)) if counts[r]]
         frontier = add_children([frontier[r] for r in rows], q[rows], [counts[r] for r in rows])
+        # the new nodes come parent by parent, each parent's draws in rank order (its kept ranks are a prefix)
+        keys += [k for r in rows for k, _, _ in sorted((t for t in cand if t[1] == r), key=lambda t: t[2])]
     return pool
