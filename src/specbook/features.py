@@ -94,8 +94,8 @@ def build(target, corpus: Corpus, layers: tuple[int, ...], out: Path, batch_toke
           progress: bool = True, save_every_s: float = 60.0) -> FeatureStore:
     """Run the target over every corpus sequence once; write features to ``out`` atomically. Resumable: an
     interrupted build (``out``.tmp, its progress.json naming the same target, corpus, layers and batching) goes on
-    from the last batch it recorded (progress is saved every ``save_every_s`` seconds: a synchronous flush of the
-    memory map per batch would cost more than the batch's own writes) instead of starting over."""
+    from the last batch it recorded (progress is saved every ``save_every_s`` seconds, not per batch: each save
+    waits for the memory map to reach the disk) instead of starting over."""
     from tqdm.auto import tqdm
 
     from .models import fingerprint
