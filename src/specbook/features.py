@@ -145,8 +145,8 @@ def build(target, corpus: Corpus, layers: tuple[int, ...], out: Path, batch_toke
     mm.flush()
     del mm
     (tmp / "progress.json").unlink(missing_ok=True)
-    meta = {"target_fingerprint": fingerprint(target), "corpus_sha": corpus.sha, "layers": list(layers),
-            "shape": [T, len(layers), H], "dtype": "bfloat16-bits-as-int16", "target_dtype": str(target.dtype)}
+    meta = {**{k: v for k, v in job.items() if k != "batch_tokens"}, "dtype": "bfloat16-bits-as-int16",
+            "target_dtype": str(target.dtype)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)

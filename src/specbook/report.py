@@ -104,14 +104,14 @@ def category_table(d: dict) -> str:
 def checkpoint_pairs(d: dict) -> list[tuple[str, str, str]]:
     """(method, its variant reading another checkpoints folder, that folder) for every ``M[checkpoints=F]`` row of a
     run whose ``M`` also ran: the same method with two sets of trained drafters, side by side."""
-    import re
+    from .bench import parse_variant
 
     names = [r["method"] for r in d["rows"]]
     out = []
     for n in names:
-        m = re.fullmatch(r"([A-Za-z0-9_]+)\[checkpoints=([^\];]+)\]", n)
-        if m and m.group(1) in names:
-            out.append((m.group(1), n, m.group(2)))
+        base, over = parse_variant(n)
+        if set(over) == {("drafters", "checkpoints")} and base in names:
+            out.append((base, n, str(over["drafters", "checkpoints"])))
     return out
 
 
@@ -134,10 +134,13 @@ def checkpoint_table(d: dict) -> str:
     head = "| category |" + "".join(f" {v} | {m} | change |" for m, v, _ in pairs)
     lines = [head, "|" + "---|" * (1 + 3 * len(pairs))]
 
+    def pooled(method: str, group: list[str]) -> float | None:
+        return _tau([by[c, method] for c in group if (c, method) in by])
+
     def row(label: str, group: list[str]) -> str:
         cells = []
         for m, v, _ in pairs:
-            old, new = (_tau([by[c, x] for c in group if (c, x) in by]) for x in (v, m))
+            old, new = pooled(v, group), pooled(m, group)
             change = f"{100 * (new / old - 1):+.1f}%" if old and new else ""
             cells.append(f" {_cell(old)} | {_cell(new)} | {change} |")
         return f"| {label} |" + "".join(cells)
@@ -149,9 +152,9 @@ def checkpoint_table(d: dict) -> str:
               row(f"**broad categories** ({len(broad)})", broad)]
     ratios = []
     for m, v, _ in pairs:
-        pooled = {x: [_tau([by[c, x] for c in g if (c, x) in by]) for g in (broad, template)] for x in (m, v)}
-        if all(b and t for b, t in pooled.values()):
-            ratios.append(f"{m}: {pooled[m][0] / pooled[m][1]:.2f} committed, {pooled[v][0] / pooled[v][1]:.2f} {v}")
+        bt = {x: (pooled(x, broad), pooled(x, template)) for x in (m, v)}
+        if all(b and t for b, t in bt.values()):
+            ratios.append(f"{m}: {bt[m][0] / bt[m][1]:.2f} committed, {bt[v][0] / bt[v][1]:.2f} {v}")
     ck = d["settings"].get("checkpoints", {})
     read = list(dict.fromkeys(f"`{n}` read {c.get('folder')}/{k} (corpus {c.get('corpus_sha')}, {c.get('corpus_records')} "
                               f"records, {c.get('steps')} steps)"

@@ -334,8 +334,11 @@ class Eagle2Drafter(EagleRunner):
         c = self.draft_cost or 0.0
         cal = self.calibration
 
-        def confidences(pool: Pool) -> list[float]:  # the cost model's acceptance estimate per node, best first
-            return sorted((min(1.0, cal * math.exp(s)) for s in pool.score), reverse=True)
+        def worth(log_q: list[float]) -> list[float]:  # the cost model's acceptance estimate per node
+            return [min(1.0, cal * math.exp(x)) for x in log_q]
+
+        def confidences(pool: Pool) -> list[float]:  # best first
+            return sorted(worth(pool.score), reverse=True)
 
         def keep_going(pool: Pool, frontier: list[int]) -> bool:
             mass = cal * sum(math.exp(pool.score[j]) for j in frontier)
@@ -343,8 +346,7 @@ class Eagle2Drafter(EagleRunner):
                                    (self.forwards - start) * c, c)
 
         def budget(keys: list[float], cand: list[float]) -> int:  # sampled trees: what each depth may draw
-            value = [min(1.0, cal * math.exp(k)) for k in keys], [min(1.0, cal * math.exp(k)) for k in cand]
-            return nodes_to_add(*value, self.latency, self.max_auto, (self.forwards - start) * c)
+            return nodes_to_add(worth(keys), worth(cand), self.latency, self.max_auto, (self.forwards - start) * c)
 
         stop = keep_going if auto and self.draft_cost is not None else None
         if self._sampled():

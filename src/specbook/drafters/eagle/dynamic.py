@@ -164,10 +164,12 @@ def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, dra
         return new
 
     q0 = q_of(f_root[None])  # [1, Vd]
-    v0 = [x for x in q0[0].topk(min(width, q0.shape[-1])).values.log().tolist() if x > float("-inf")]
-    n0 = width if budget is None else max(1, budget(keys, v0))
+    n0 = width
+    if budget is not None:  # the root's candidates: ranks 0.. of its q
+        v0 = [x for x in q0[0].topk(min(width, q0.shape[-1])).values.log().tolist() if x > float("-inf")]
+        n0 = max(1, budget(keys, v0))
+        keys += (v0 + [float("-inf")] * width)[:n0]
     frontier = add_children([-1], q0, [n0])
-    keys += (v0 + [float("-inf")] * width)[:n0]
     for _ in range(1, depth):
         if not frontier or (keep_going is not None and not keep_going(pool, frontier)):
             break
@@ -182,6 +184,6 @@ def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, dra
         counts = [sum(1 for _, r2, _ in cand if r2 == r) for r in range(len(frontier))]
         rows = [r for r in range(len(frontier)) if counts[r]]
         frontier = add_children([frontier[r] for r in rows], q[rows], [counts[r] for r in rows])
-        # the new nodes come parent by parent, each parent's draws in rank order (its kept ranks are a prefix)
-        keys += [k for r in rows for k, _, _ in sorted((t for t in cand if t[1] == r), key=lambda t: t[2])]
+        if budget is not None:  # the new nodes come parent by parent, each one's draws in rank order
+            keys += [k for r in rows for k, _, _ in sorted((t for t in cand if t[1] == r), key=lambda t: t[2])]
     return pool
