@@ -50,4 +50,11 @@ def real():
 
 
 def pytest_configure(config):
-    torch.set_num_threads(max(1, int(os.environ.get("SPECBOOK_TEST_THREADS", torch.get_num_threads()))))
+    """Threads per test process: SPECBOOK_TEST_THREADS, else the cores shared out among pytest-xdist's workers
+    (``-n``). Two processes each running torch on every core slow each other 10-20x on a 2-core machine, so a
+    worker keeps to its share, and the notebook kernels it starts inherit the same share through OMP_NUM_THREADS."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    threads = max(1, int(os.environ.get("SPECBOOK_TEST_THREADS", torch.get_num_threads() // workers)))
+    torch.set_num_threads(threads)
+    if workers > 1:
+        os.environ["OMP_NUM_THREADS"] = str(threads)

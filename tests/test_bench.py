@@ -75,11 +75,13 @@ def test_bench_cli_json_contract(tmp_path, real, monkeypatch):
         assert set(r) >= {"method", "tokens_per_s", "tau", "speedup", "target_forwards", "new_tokens", "peak_mem_mb"}
     ar = next(r for r in res["rows"] if r["method"] == "ar")
     assert ar["speedup"] == 1.0 and ar["tau"] == 1.0
-    # the CLI end to end (same model through the loader)
+    # the CLI end to end (same model through the loader; eager static cache: compiled graphs are test_fastpath's)
     out = tmp_path / "b.json"
-    bench.main(["--methods", "ar", "--limit", "1", "--max-new-tokens", "4", "--dtype", "fp32", "--json", str(out)])
+    bench.main(["--methods", "ar", "--limit", "1", "--max-new-tokens", "4", "--dtype", "fp32", "--no-compile",
+                "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["rows"][0]["method"] == "ar" and "command" in data["settings"]
+    assert data["settings"]["forward"] == "static"
 
 
 @pytest.mark.slow

@@ -491,7 +491,7 @@ def test_real_model_eagle_greedy_equals_ar(real):
                 Eagle2Drafter(model, head, vocab, depth=s.depth, top_k=s.top_k, total_tokens="auto", latency=lat,
                               draft_cost=0.004)]
     taus = []
-    for i, p in enumerate(load_prompts("eval", limit=12)):
+    for i, p in enumerate(load_prompts("eval", limit=6)):
         ids, _ = encode(tok, p["turns"][0])
         ar = generate(model, ids, max_new_tokens=64).tokens[0]
         sp = speculative_generate(model, drafters[i % 3], ids, max_new_tokens=64)

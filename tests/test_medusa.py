@@ -178,7 +178,7 @@ def test_real_model_medusa_greedy_equals_ar(real):
     heads, vocab, card = load_medusa(model, CKPT_DIR / "medusa")
     drafter = MedusaDrafter(model, heads, sparse_tree(rank_accuracy(card), 16), vocab=vocab)
     taus = []
-    for p in load_prompts("eval", limit=20):
+    for p in load_prompts("eval", limit=8):
         ids, _ = encode(tok, p["turns"][0])
         ar = generate(model, ids, max_new_tokens=64).tokens[0]
         sp = speculative_generate(model, drafter, ids, max_new_tokens=64)

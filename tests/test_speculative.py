@@ -102,18 +102,18 @@ def _real_draft(model):
 
 @pytest.mark.slow
 def test_real_model_greedy_sps_and_pld_equal_ar(real):
-    """fp32, 20 eval prompts x 128 tokens: SpS and prompt lookup emit exactly our AR loop's tokens."""
+    """fp32, 8 eval prompts x 64 tokens: SpS and prompt lookup emit exactly our AR loop's tokens."""
     from specbook.decoding import encode
     from specbook.prompts import load_prompts
 
     model, tok = real
     draft = _real_draft(model)
     bad = []
-    for p in load_prompts("eval", limit=20):
+    for p in load_prompts("eval", limit=8):
         ids, _ = encode(tok, p["turns"][0])
-        ar = generate(model, ids, max_new_tokens=128, eos_token_id=tok.eos_token_id).tokens[0]
+        ar = generate(model, ids, max_new_tokens=64, eos_token_id=tok.eos_token_id).tokens[0]
         for name, d in (("sps", DraftModelDrafter(draft, 4)), ("pld", PromptLookupDrafter(10, 2))):
-            out = speculative_generate(model, d, ids, max_new_tokens=128, eos_token_id=tok.eos_token_id).tokens[0]
+            out = speculative_generate(model, d, ids, max_new_tokens=64, eos_token_id=tok.eos_token_id).tokens[0]
             if out != ar:
                 bad.append((name, p["question_id"]))
     assert not bad, f"speculative greedy output differs from AR: {bad}"
