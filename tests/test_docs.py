@@ -136,28 +136,35 @@ def test_tour_summary_never_calls_smoke_figures_results(tmp_path, capsys):
 
 
 def test_checkpoint_table_compares_two_sets_of_drafters_per_category():
-    """The results page's per-category table for ``M`` against ``M[checkpoints=F]``: tau per category, the change,
+    """The results page's per-category table for ``M`` against ``M[checkpoints=F]``: tau per category, the change
+    from the drafters trained on the smaller corpus to those trained on the larger (whichever folder holds them),
     and both pooled (tokens / forwards) over the template categories and over the broad ones."""
-    v = "eagle2[checkpoints=data/checkpoints/template_corpus]"
+    v = "eagle2[checkpoints=data/checkpoints/other]"
 
     def r(cat, m, tokens, forwards):
         return {"category": cat, "method": m, "new_tokens": tokens, "target_forwards": forwards}
 
-    d = {"rows": [{"method": m} for m in ("ar", "eagle2", v)],
-         "by_category": [r("qa", "eagle2", 300, 100), r("qa", v, 200, 100), r("code_fix", "eagle2", 100, 50),
-                         r("code_fix", v, 100, 100), r("math_word", "eagle2", 90, 30), r("math_word", v, 90, 45),
-                         r("qa", "ar", 100, 100)],
-         "settings": {"checkpoints": {"eagle2": {"eagle": {"folder": "data/checkpoints", "corpus_sha": "new",
-                                                           "corpus_records": 2, "steps": 8}},
-                                      v: {"eagle": {"folder": "data/checkpoints/template_corpus", "corpus_sha": "old",
-                                                    "corpus_records": 1, "steps": 8}}}}}
-    assert report.checkpoint_pairs(d) == [("eagle2", v, "data/checkpoints/template_corpus")]
+    def card(folder, sha, records):
+        return {"eagle": {"folder": folder, "corpus_sha": sha, "corpus_records": records, "steps": 8}}
+
+    rows = [r("qa", "eagle2", 300, 100), r("qa", v, 200, 100), r("code_fix", "eagle2", 100, 50),
+            r("code_fix", v, 100, 100), r("math_word", "eagle2", 90, 30), r("math_word", v, 90, 45), r("qa", "ar", 100, 100)]
+    d = {"rows": [{"method": m} for m in ("ar", "eagle2", v)], "by_category": rows,
+         "settings": {"checkpoints": {"eagle2": card("data/checkpoints", "new", 2),
+                                      v: card("data/checkpoints/other", "old", 1)}}}
+    assert report.checkpoint_pairs(d) == [("eagle2", v, "data/checkpoints/other")]
     table = report.checkpoint_table(d)
+    assert f"| category | {v} | eagle2 | change |" in table  # the smaller corpus first
     assert "| qa | 2.0 | 3.0 | +50.0% |" in table and "| code_fix | 1.0 | 2.0 | +100.0% |" in table
     assert "| **template categories** (1) | 2.0 | 3.0 | +50.0% |" in table
     assert "| **broad categories** (2) | 1.31 | 2.375 | +81.3% |" in table  # (100+90)/(100+45), (100+90)/(50+30)
-    assert f"eagle2: 0.79 committed, 0.66 {v}" in table  # 2.375 / 3.0 and 1.31 / 2.0
-    assert "data/checkpoints/template_corpus/eagle (corpus old" in table and "(corpus new, 2 records" in table
+    assert f"eagle2 0.79, {v} 0.66" in table  # 2.375 / 3.0 and 1.31 / 2.0
+    assert "data/checkpoints/other/eagle (corpus old" in table and "(corpus new, 2 records" in table
+    # the larger corpus in the other folder: the pair turns round, the change still runs smaller -> larger
+    d["settings"]["checkpoints"] = {"eagle2": card("data/checkpoints", "old", 1), v: card("data/checkpoints/other", "new", 2)}
+    table = report.checkpoint_table(d)
+    assert f"| category | eagle2 | {v} | change |" in table
+    assert "| qa | 3.0 | 2.0 | -33.3% |" in table and "| **broad categories** (2) | 2.375 | 1.31 | -44.8% |" in table
     assert report.checkpoint_table({"rows": [{"method": "eagle2"}], "by_category": []}) == ""
 
 

@@ -154,7 +154,7 @@ class BlockSettings:
 class DrafterSettings:
     """Where the trained drafters are read from: "" = the committed ones (data/checkpoints), or a folder holding
     METHOD.{safetensors,json} files, e.g. drafters trained on another corpus, so that ``eagle2`` and
-    ``eagle2[checkpoints=data/checkpoints/template_corpus]`` meet in one run (a relative folder: from the working
+    ``eagle2[checkpoints=data/checkpoints/broad_corpus]`` meet in one run (a relative folder: from the working
     directory where it exists there, else from the repository root)."""
 
     checkpoints: str = ""

@@ -120,18 +120,28 @@ def _tau(rows: list[dict]) -> float | None:
     return round(sum(r["new_tokens"] for r in rows) / forwards, 3) if forwards else None
 
 
+def _records(d: dict, name: str) -> int | None:
+    """How many corpus records the checkpoints a bench row read were trained on (the largest, if several)."""
+    rec = [c.get("corpus_records") for c in d["settings"].get("checkpoints", {}).get(name, {}).values()]
+    return max((r for r in rec if r is not None), default=None)
+
+
 def checkpoint_table(d: dict) -> str:
-    """tau per category for each method with the committed checkpoints against the same method with another
-    folder's (``checkpoint_pairs``), the change in percent, and both over the template categories and over the
-    broad ones (prompts.TEMPLATE_CATEGORIES)."""
+    """tau per category for each method against the same method reading another folder's checkpoints
+    (``checkpoint_pairs``): the pair ordered by the corpus each side was trained on (fewer records first; the
+    variant first when that is unknown or equal), the change from the first to the second in percent, and both
+    pooled over the template categories and over the broad ones (prompts.TEMPLATE_CATEGORIES)."""
     from .prompts import TEMPLATE_CATEGORIES
 
-    pairs = checkpoint_pairs(d)
     cats = sorted({r["category"] for r in d.get("by_category", [])}, key=category_key)
-    if not pairs or not cats:
+    if not checkpoint_pairs(d) or not cats:
         return ""
+    pairs = []  # (smaller corpus, larger corpus)
+    for m, v, _ in checkpoint_pairs(d):
+        rm, rv = _records(d, m), _records(d, v)
+        pairs.append((m, v) if rm is not None and rv is not None and rm < rv else (v, m))
     by = {(r["category"], r["method"]): r for r in d["by_category"]}
-    head = "| category |" + "".join(f" {v} | {m} | change |" for m, v, _ in pairs)
+    head = "| category |" + "".join(f" {a} | {b} | change |" for a, b in pairs)
     lines = [head, "|" + "---|" * (1 + 3 * len(pairs))]
 
     def pooled(method: str, group: list[str]) -> float | None:
@@ -139,8 +149,8 @@ def checkpoint_table(d: dict) -> str:
 
     def row(label: str, group: list[str]) -> str:
         cells = []
-        for m, v, _ in pairs:
-            old, new = pooled(v, group), pooled(m, group)
+        for a, b in pairs:
+            old, new = pooled(a, group), pooled(b, group)
             change = f"{100 * (new / old - 1):+.1f}%" if old and new else ""
             cells.append(f" {_cell(old)} | {_cell(new)} | {change} |")
         return f"| {label} |" + "".join(cells)
@@ -151,16 +161,17 @@ def checkpoint_table(d: dict) -> str:
     lines += [row(f"**template categories** ({len(template)})", template),
               row(f"**broad categories** ({len(broad)})", broad)]
     ratios = []
-    for m, v, _ in pairs:
-        bt = {x: (pooled(x, broad), pooled(x, template)) for x in (m, v)}
-        if all(b and t for b, t in bt.values()):
-            ratios.append(f"{m}: {bt[m][0] / bt[m][1]:.2f} committed, {bt[v][0] / bt[v][1]:.2f} {v}")
+    for a, b in pairs:
+        bt = {x: (pooled(x, broad), pooled(x, template)) for x in (b, a)}
+        if all(x and y for x, y in bt.values()):
+            ratios.append(", ".join(f"{x} {bt[x][0] / bt[x][1]:.2f}" for x in (b, a)))
     ck = d["settings"].get("checkpoints", {})
     read = list(dict.fromkeys(f"`{n}` read {c.get('folder')}/{k} (corpus {c.get('corpus_sha')}, {c.get('corpus_records')} "
                               f"records, {c.get('steps')} steps)"
-                              for m, v, _ in pairs for n in (v, m) for k, c in ck.get(n, {}).items()))
-    return ("tau per category: each method with the committed checkpoints against the same method reading another "
-            "folder's (change = committed / other - 1).\n\n" + "\n".join(lines)
+                              for a, b in pairs for n in (a, b) for k, c in ck.get(n, {}).items()))
+    return ("tau per category: each method with two sets of trained drafters, the one trained on the smaller corpus "
+            "first (change = second / first - 1; the checkpoints each read are listed below the table).\n\n"
+            + "\n".join(lines)
             + ("\n\ntau over the broad categories / over the template categories: " + "; ".join(ratios) if ratios else "")
             + (f"\n\n{'; '.join(read)}.\n" if read else "\n"))
 
