@@ -37,6 +37,11 @@ def test_prompt_set_shape():
 def test_per_category_takes_the_first_n_of_each():
     ps = [{"category": c, "turns": [str(i)]} for i, c in enumerate("aabacbbc")]
     assert [p["turns"][0] for p in bench.per_category(ps, 2)] == ["0", "1", "2", "4", "5", "7"]
+    assert [p["turns"][0] for p in bench.per_category(ps, 2, ["c", "a"])] == ["0", "1", "4", "7"]
+    with pytest.raises(ValueError, match=r"no prompts of categories \['z'\].*'a', 'b', 'c'"):
+        bench.per_category(ps, 2, ["a", "z"])
+    with pytest.raises(SystemExit):  # --categories without --per-category: argparse names the problem
+        bench.main(["--categories", "a"])
 
 
 def test_mtp_auto_depth_by_hand():

@@ -166,6 +166,9 @@ def test_checkpoint_table_compares_two_sets_of_drafters_per_category():
     assert f"| category | eagle2 | {v} | change |" in table
     assert "| qa | 3.0 | 2.0 | -33.3% |" in table and "| **broad categories** (2) | 2.375 | 1.31 | -44.8% |" in table
     assert report.checkpoint_table({"rows": [{"method": "eagle2"}], "by_category": []}) == ""
+    d["by_category"] = [x for x in rows if x["category"] == "qa"]  # template categories only: no empty broad row
+    table = report.checkpoint_table(d)
+    assert "**template categories** (1)" in table and "broad categories" not in table
 
 
 def test_template_categories_are_the_template_sets():

@@ -916,12 +916,19 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
     }
 
 
-def per_category(prompts: list[dict], n: int) -> list[dict]:
-    """The first ``n`` prompts of every category, in file order."""
+def per_category(prompts: list[dict], n: int, categories: list[str] | None = None) -> list[dict]:
+    """The first ``n`` prompts of every category (of ``categories`` only, when given), in file order."""
+    if categories:
+        missing = sorted(set(categories) - {p.get("category", "") for p in prompts})
+        if missing:
+            known = sorted({p.get("category", "") for p in prompts})
+            raise ValueError(f"no prompts of categories {missing}; the prompt set has {known}")
     seen: dict[str, int] = {}
     out = []
     for p in prompts:
         c = p.get("category", "")
+        if categories and c not in categories:
+            continue
         if seen.get(c, 0) < n:
             seen[c] = seen.get(c, 0) + 1
             out.append(p)
@@ -956,6 +963,8 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--per-category", type=int, default=0,
                     help="the first N prompts of every category instead of the first --limit (a per-category table)")
+    ap.add_argument("--categories", default="",
+                    help="comma list: only these categories (with --per-category), e.g. math_reasoning,translation")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -977,7 +986,10 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the result here")
     a = ap.parse_args(argv)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    prompts = per_category(load_prompts(a.prompts), a.per_category) if a.per_category else \
+    cats = [c.strip() for c in a.categories.split(",") if c.strip()]
+    if cats and not a.per_category:
+        ap.error("--categories needs --per-category N (how many prompts of each)")
+    prompts = per_category(load_prompts(a.prompts), a.per_category, cats) if a.per_category else \
         load_prompts(a.prompts, limit=a.limit)
     res = run_bench(methods, prompts, model_name=a.model, dtype=a.dtype, device=a.device,
                     max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,

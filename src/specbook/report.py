@@ -158,8 +158,8 @@ def checkpoint_table(d: dict) -> str:
     lines += [row(c, [c]) for c in cats]
     template = [c for c in cats if c in TEMPLATE_CATEGORIES]
     broad = [c for c in cats if c not in TEMPLATE_CATEGORIES]
-    lines += [row(f"**template categories** ({len(template)})", template),
-              row(f"**broad categories** ({len(broad)})", broad)]
+    lines += [row(f"**{name} categories** ({len(group)})", group)
+              for name, group in (("template", template), ("broad", broad)) if group]  # a run of one kind: no empty row
     ratios = []
     for a, b in pairs:
         bt = {x: (pooled(x, broad), pooled(x, template)) for x in (b, a)}
