@@ -918,11 +918,9 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
 
 def per_category(prompts: list[dict], n: int, categories: list[str] | None = None) -> list[dict]:
     """The first ``n`` prompts of every category (of ``categories`` only, when given), in file order."""
-    if categories:
-        missing = sorted(set(categories) - {p.get("category", "") for p in prompts})
-        if missing:
-            known = sorted({p.get("category", "") for p in prompts})
-            raise ValueError(f"no prompts of categories {missing}; the prompt set has {known}")
+    known = {p.get("category", "") for p in prompts}
+    if missing := sorted(set(categories or ()) - known):
+        raise ValueError(f"no prompts of categories {missing}; the prompt set has {sorted(known)}")
     seen: dict[str, int] = {}
     out = []
     for p in prompts:

@@ -133,11 +133,12 @@ def checkpoint_table(d: dict) -> str:
     pooled over the template categories and over the broad ones (prompts.TEMPLATE_CATEGORIES)."""
     from .prompts import TEMPLATE_CATEGORIES
 
+    found = checkpoint_pairs(d)
     cats = sorted({r["category"] for r in d.get("by_category", [])}, key=category_key)
-    if not checkpoint_pairs(d) or not cats:
+    if not found or not cats:
         return ""
     pairs = []  # (smaller corpus, larger corpus)
-    for m, v, _ in checkpoint_pairs(d):
+    for m, v, _ in found:
         rm, rv = _records(d, m), _records(d, v)
         pairs.append((m, v) if rm is not None and rv is not None and rm < rv else (v, m))
     by = {(r["category"], r["method"]): r for r in d["by_category"]}
