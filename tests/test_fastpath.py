@@ -170,6 +170,32 @@ def test_compiled_agrees_with_eager(model):
     assert s["warmup_total_s"] > 0 and s["capacities"]
 
 
+def test_a_draft_model_runs_on_the_fast_path():
+    """DraftModelDrafter on a FastTarget of its draft, full and reduced output layer: eager (T = 1, same generator)
+    and compiled (greedy) give the tokens of the plain draft on transformers' cache; a sequence that outgrows the
+    draft's static cache gets a larger one (refilled), same tokens; a vocabulary given twice is refused."""
+    from specbook.drafters.draft_model import DraftModelDrafter
+
+    model = tiny_llama(vocab_size=48, hidden_size=32, layers=2, seed=0, max_position_embeddings=512)
+    draft = tiny_llama(vocab_size=48, hidden_size=32, layers=1, seed=5)
+    sub = torch.arange(0, 48, 2)
+    ids = torch.randint(48, (1, 250), generator=torch.Generator().manual_seed(2))  # 250 + gamma 3 fills 256 slots
+    for vocab in (None, sub):
+        for compile, cfg in ((False, SamplingConfig(1.0)), (True, SamplingConfig())):
+            fast_draft = FastTarget(draft, compile=compile, buckets=(1, 2, 4), vocab=vocab)
+            for seed in range(2 if compile else 4):
+                runs = []
+                for d in (DraftModelDrafter(draft, 3, vocab=vocab), DraftModelDrafter(fast_draft, 3)):
+                    runs.append(speculative_generate(model, d, ids, max_new_tokens=12, sampling=cfg,
+                                                     generator=torch.Generator().manual_seed(seed)))
+                assert runs[0].tokens == runs[1].tokens
+                assert d.cache.capacity > 256  # outgrown and replaced
+            if compile:
+                assert fast_draft.stats.compiled_calls > 0 and fast_draft.stats.recompiles == 0
+    with pytest.raises(ValueError, match="FastTarget\\(draft, vocab="):
+        DraftModelDrafter(FastTarget(draft, compile=False, vocab=sub), 3, vocab=sub)
+
+
 def test_bad_input_is_refused(model):
     fast = fast_target(model, compile=False)
     assert fast_target(fast) is fast
@@ -231,6 +257,8 @@ def test_compiled_greedy_tokens_equal_eager_for_every_bench_method(real, monkeyp
     assert stats.compiled_calls > 0 and stats.recompiles == 0
     assert set(stats.warmup_s) <= {"1", "8", "32", "1+hidden", "8+hidden", "32+hidden"}
     assert res["settings"]["fast"]["compiled"]["warmup_total_s"] > 0
+    draft = res["settings"]["fast"]["draft_model[vocab=8192]"]  # sps_rv's draft ran compiled too
+    assert draft["compiled_calls"] > 0 and draft["recompiles"] == 0
 
 
 def test_compact_rows_keeps_each_rows_real_slots():

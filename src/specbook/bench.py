@@ -210,6 +210,7 @@ class Loaded:
 
     draft_model: object = None
     draft_vocab: dict = field(default_factory=dict)  # size -> [Vd] token ids
+    fast_drafts: dict = field(default_factory=dict)  # reduced vocabulary size (0 = full) -> the draft as a FastTarget
     latency: dict | None = None  # {k tokens: seconds}
     medusa: tuple | None = None  # (heads, vocab, card)
     eagle: tuple | None = None  # (head, vocab, card, measured draft cost in seconds)
@@ -355,19 +356,34 @@ def _spec(ctx: BenchContext, ids, drafter, gen, acceptance: str = "exact") -> Ru
                     len(st.step_times))
 
 
+def draft_drafter(ctx: BenchContext, reduced: bool):
+    """A DraftModelDrafter on the committed draft (``reduced``: its output layer cut to the draft vocabulary). When
+    the target's forward is compiled, the draft's forwards are too: a FastTarget of the draft (static cache,
+    buckets up to one step's catch-up block of gamma + 1 tokens), made once per vocabulary and run, its graphs
+    built in the bench's warm-up."""
+    from .drafters.draft_model import DraftModelDrafter
+    from .fastpath import BUCKETS, FastTarget
+
+    gamma, vocab = ctx.settings.sps.gamma, draft_vocab_for(ctx) if reduced else None
+    if ctx.settings.target.forward != "compiled":
+        return DraftModelDrafter(draft_model_for(ctx), gamma=gamma, vocab=vocab)
+    key = 0 if vocab is None else len(vocab)
+    if key not in ctx.loaded.fast_drafts:
+        top = next((b for b in BUCKETS if b >= gamma + 1), BUCKETS[-1])
+        ft = FastTarget(draft_model_for(ctx), compile=True, vocab=vocab, buckets=tuple(b for b in BUCKETS if b <= top))
+        ft.reserve(getattr(ctx.model, "min_capacity", 0))  # the run's capacity: one set of graphs for every request
+        ctx.loaded.fast_drafts[key] = ft
+    return DraftModelDrafter(ctx.loaded.fast_drafts[key], gamma=gamma)
+
+
 @method("sps", "speculative sampling with the distilled draft model (data/checkpoints/draft_model), gamma draft tokens")
 def _sps(ctx: BenchContext, ids, mask, gen) -> RunStats:
-    from .drafters.draft_model import DraftModelDrafter
-
-    return _spec(ctx, ids, DraftModelDrafter(draft_model_for(ctx), gamma=ctx.settings.sps.gamma), gen)
+    return _spec(ctx, ids, draft_drafter(ctx, reduced=False), gen)
 
 
 @method("sps_rv", "sps with a reduced draft output layer (the draft_vocab most frequent corpus tokens)")
 def _sps_rv(ctx: BenchContext, ids, mask, gen) -> RunStats:
-    from .drafters.draft_model import DraftModelDrafter
-
-    drafter = DraftModelDrafter(draft_model_for(ctx), gamma=ctx.settings.sps.gamma, vocab=draft_vocab_for(ctx))
-    return _spec(ctx, ids, drafter, gen)
+    return _spec(ctx, ids, draft_drafter(ctx, reduced=True), gen)
 
 
 @method("pld", "prompt lookup decoding (n-gram copy from the context), our loop")
@@ -890,6 +906,9 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
     for t in fast:  # every bucket compiled now (with hidden states too where a drafter asked for them)
         t.warm_up(hidden=tuple(sorted({k.endswith("+hidden") for k in t.stats.warmup_s} | {False})),
                   progress=progress)
+    drafts = fast_drafts(loaded)
+    for t in drafts.values():  # the draft models' graphs too (every bucket a step can use)
+        t.warm_up(progress=progress)
     tot, cat, mem = _interleaved(runners, methods, prompts, encoded, repeats, seed, progress)
     base = tot["ar"]["new_tokens"] / tot["ar"]["seconds"]
     rows = [{**_row(m, tot[m], base), "peak_mem_mb": round(mem[m], 1)} for m in methods]
@@ -909,11 +928,21 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                      "peak_mem_note": "CUDA: peak allocated per method; CPU: process max RSS (shared by all methods)",
                      "forward": settings.target.forward,
                      "checkpoints": {m: c for m, (_, mctx) in runners.items() if (c := checkpoints_json(mctx, m))},
-                     **({"fast": {mode: t.stats.as_json() for mode, t in loaded.targets.items() if mode != "hf"}}
+                     **({"fast": {**{mode: t.stats.as_json() for mode, t in loaded.targets.items() if mode != "hf"},
+                                  **{name: t.stats.as_json() for name, t in drafts.items()}}}
                         if fast else {})},
         "rows": rows,
         "by_category": by_cat,
     }
+
+
+def fast_drafts(loaded: Loaded) -> dict[str, object]:
+    """Every compiled draft model of a run (its own and those of other checkpoint folders), named for the JSON."""
+    out = {}
+    for folder, L in [("", loaded), *loaded.siblings.items()]:
+        for k, t in L.fast_drafts.items():
+            out[f"draft_model[vocab={k or 'full'}{', checkpoints=' + folder if folder else ''}]"] = t
+    return out
 
 
 def per_category(prompts: list[dict], n: int, categories: list[str] | None = None) -> list[dict]:

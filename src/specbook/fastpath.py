@@ -165,8 +165,9 @@ def _layer(layer, h, cos, sin, mask, slots, k_cache, v_cache, width: int, groupe
 
 
 def _forward(model, input_ids, position_ids, mask, slots, keys, values, width: int, hidden: bool, keep: int,
-             grouped: bool = False):
+             grouped: bool = False, head: torch.Tensor | None = None):
     """One forward over ``input_ids`` [B, n] with the wrapped model's weights. ``mask``: additive [B, 1, n, width].
+    ``head``: [V', H] rows of the output layer to use instead of ``lm_head`` (a reduced vocabulary).
     Returns (logits of the last ``keep`` positions, or all when 0; hidden states or None)."""
     base = model.model
     h = base.embed_tokens(input_ids)  # [B, n, H]
@@ -179,7 +180,8 @@ def _forward(model, input_ids, position_ids, mask, slots, keys, values, width: i
     h = _rms(h, base.norm)
     if hidden:
         hs[-1] = h  # transformers' last hidden state is after the final norm
-    logits = model.lm_head(h if keep == 0 else h[:, -keep:])
+    h = h if keep == 0 else h[:, -keep:]
+    logits = model.lm_head(h) if head is None else h @ head.T  # [B, n or keep, V or V']
     return logits, (tuple(hs) if hidden else None)
 
 
@@ -248,9 +250,12 @@ class FastTarget:
 
     ``lm`` is the wrapped model; every other attribute read goes to it (``config``, ``device``, ``dtype``,
     ``generate``, ``model.norm``, ``lm_head``), so drafters and the bench use a FastTarget as they use the model.
+    ``vocab``: [V'] token ids whose logits a static-cache forward computes (a reduced output layer, as a draft
+    model uses: logits [..., V'] in that order); None = the whole vocabulary.
     """
 
-    def __init__(self, model, *, compile: bool = True, buckets: tuple[int, ...] = BUCKETS):
+    def __init__(self, model, *, compile: bool = True, buckets: tuple[int, ...] = BUCKETS,
+                 vocab: torch.Tensor | None = None):
         mt = getattr(model.config, "model_type", None)
         if mt not in SUPPORTED:
             raise ValueError(f"the static-cache fast path supports {SUPPORTED} decoder layers, not {mt!r}; "
@@ -263,6 +268,12 @@ class FastTarget:
         self.stats = FastStats()
         self.min_capacity = 0  # reserve(): every cache of a run gets one capacity, so one set of graphs serves it
         self._fn = _compiled(_forward) if self.compiled else None
+        self.vocab, self._head = None, None
+        if vocab is not None:
+            from .drafters import head_rows
+
+            self._head, self.vocab = head_rows(model.get_output_embeddings().weight, vocab)
+            self._head = self._head.contiguous()
 
     def reserve(self, capacity: int) -> None:
         """Make every later cache at least this large (the bench reserves its longest request)."""
@@ -316,7 +327,7 @@ class FastTarget:
             mask = additive_mask(allowed_mask(n, past, width, B, attention_mask), self.lm.dtype).to(dev)
             slots = torch.arange(past, past + n, device=dev)
             logits, hs = _forward(self.lm, input_ids, position_ids, mask, slots, cache.keys, cache.values, width,
-                                  output_hidden_states, logits_to_keep)
+                                  output_hidden_states, logits_to_keep, head=self._head)
         else:
             width, pad = cache.capacity, bucket - n
             mask = additive_mask(allowed_mask(n, past, width, B, attention_mask, rows=bucket), self.lm.dtype).to(dev)
@@ -333,7 +344,7 @@ class FastTarget:
             graphs = _graphs_built()
             t0 = time.perf_counter()
             logits, hs = self._fn(self.lm, input_ids, position_ids, mask, slots, cache.keys, cache.values, width,
-                                  bool(output_hidden_states), keep, True)
+                                  bool(output_hidden_states), keep, True, self._head)
             if _graphs_built() > graphs:  # this call compiled: warm-up, reported, never hidden in a figure
                 self.stats.recompiles += int(key in self.stats.warmup_s and width in self.stats.capacities)
                 self.stats.warmup_s[key] = self.stats.warmup_s.get(key, 0.0) + time.perf_counter() - t0

@@ -465,12 +465,13 @@ def tiny_llama(vocab_size: int = 48, hidden_size: int = 32, layers: int = 2, see
     """A tiny random LlamaForCausalLM (no download): exact enumeration in tests."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=0,
-        eos_token_id=1, pad_token_id=1, **kw,
-    )
+    cfg = LlamaConfig(**{
+        **dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+               num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=0,
+               eos_token_id=1, pad_token_id=1),
+        **kw,  # any LlamaConfig field, e.g. max_position_embeddings
+    })
     g = torch.Generator().manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():

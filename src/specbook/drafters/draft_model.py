@@ -35,15 +35,29 @@ class DraftModelDrafter(Drafter):
     cost for a small model with a 49k vocabulary. q is the softmax over that subset, scattered into
     the full vocabulary (zero elsewhere) — still exactly the distribution the token was sampled
     from, so verification stays lossless; tokens outside the subset are never proposed.
+
+    ``draft_model`` may be a ``fastpath.FastTarget``: its forwards then run on a static cache (compiled, or eager
+    with compile=False), the reduced vocabulary given to it (``FastTarget(draft, vocab=...)``). The bench runs the
+    draft that way when the target's forward is compiled.
     """
 
     def __init__(self, draft_model, gamma: int = 4, vocab: torch.Tensor | None = None):
+        from ..fastpath import FastTarget
+
         if not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma (draft tokens per step) must be an int >= 1, got {gamma!r}")
         self.model = draft_model
         self.gamma = gamma
-        head, self.vocab = head_rows(draft_model.get_output_embeddings().weight, vocab)
-        self.head = head.contiguous()  # [V, H] or [Vd, H]
+        # a FastTarget draft (its forwards on a static cache, compiled or not) computes its own output rows
+        self.fast = isinstance(draft_model, FastTarget)
+        if self.fast:
+            if vocab is not None:
+                raise ValueError("a FastTarget draft computes its own output layer: give the reduced vocabulary to "
+                                 "FastTarget(draft, vocab=...), not to the drafter")
+            self.head, self.vocab = None, draft_model.vocab
+        else:
+            head, self.vocab = head_rows(draft_model.get_output_embeddings().weight, vocab)
+            self.head = head.contiguous()  # [V, H] or [Vd, H]
         self.forwards = 0
         self.cache = None
         self.cached: list[int] = []  # tokens whose K/V are in self.cache
@@ -58,21 +72,33 @@ class DraftModelDrafter(Drafter):
 
     def begin(self, state: SpecState) -> None:
         self._check(state)
-        self.cache = new_cache(self.model)
+        self.cache = self._new_cache(len(state.tokens))
         self.cached = []
+
+    def _new_cache(self, n: int):
+        """A cache for a sequence of ``n`` tokens and one step's drafts (a static one sized for it when fast)."""
+        return self.model.new_cache(n + self.gamma) if self.fast else new_cache(self.model)
+
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [V] (or [Vd]) after feeding ``ids`` [1, n] at positions ``pos``; the cache grows."""
+        if self.fast:  # every position's logits: the graphs warmed up per bucket (a block's last row is taken)
+            return self.model(input_ids=ids, position_ids=pos, cache=self.cache).logits[0, -1]
+        out = self.model.model(input_ids=ids, position_ids=pos, **cache_kw(self.cache), use_cache=True)
+        return out.last_hidden_state[0, -1] @ self.head.T
 
     @torch.inference_mode()
     def propose(self, state: SpecState) -> DraftTree:
         dev = self.model.device
         toks, qs = [], []
+        if self.fast and len(state.tokens) + self.gamma > self.cache.capacity:
+            self.cache, self.cached = self._new_cache(len(state.tokens)), []  # outgrown: a larger one, refilled
         pending = state.tokens[len(self.cached):]  # committed tokens the draft has not seen yet
         for _ in range(self.gamma):
             ids = torch.tensor([pending], device=dev)
             pos = torch.arange(len(self.cached), len(self.cached) + len(pending), device=dev)[None]
-            out = self.model.model(input_ids=ids, position_ids=pos, **cache_kw(self.cache), use_cache=True)
+            logits = self._logits(ids, pos)  # [V] or [Vd]
             self.forwards += 1
             self.cached.extend(pending)
-            logits = out.last_hidden_state[0, -1] @ self.head.T  # [V] or [Vd]
             q = probs_from(logits, state.sampling)  # float32: the distribution we sample from
             i = int(sample(q, state.generator)) if not state.sampling.greedy else int(q.argmax())
             if self.vocab is not None:
