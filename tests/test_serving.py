@@ -201,6 +201,38 @@ def test_block_drafter_serves_and_records(target):
         S.serve(target, reqs, policy="alg1", drafter=BlockDrafter(target, net, threshold=0.5), curve=curve)
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_serving_on_the_static_cache_equals_transformers_cache(target, compile, monkeypatch):
+    """The packed row as a FastTarget's static cache (eager, and compiled on a few buckets), started too small for
+    three running requests so that holes are compacted away and the row is grown mid-run: every request's tokens
+    equal the same serving run on transformers' cache (fp32, T = 0), for a draft model and the block drafter (target
+    features through the packed forward)."""
+    from specbook.fastpath import FastTarget
+
+    torch.manual_seed(0)
+    net = BlockNet(target.config, torch.tensor([0, 2, 3]), gamma=3, layers=1, taps=(1,), markov_rank=4,
+                   confidence=True).eval()
+    budgets = (150, 60, 200, 120, 160)  # three running at once need more than the 256 slots the row starts with
+    reqs = [S.Request(i, p, n) for i, (p, n) in enumerate(zip(PROMPTS, budgets))]
+    curve = S.StepCurve({3: 1.0, 4: 1.05, 6: 1.2, 12: 3.0})
+    ft = FastTarget(target, compile=compile, buckets=(1, 4, 16))
+    draft = Confident(_draft(9), gamma=3, first=0.9, high=0.8, low=0.3)
+    cases = [("fixed:3", draft, draft)]  # (policy, drafter on transformers' cache, drafter on the FastTarget)
+    if not compile:  # the block drafter's graphs (with hidden states) would double the compile time
+        cases.append(("alg1", BlockDrafter(target, net), BlockDrafter(ft, net)))
+    ref = [S.serve(target, reqs, policy=p, drafter=d, concurrency=3, curve=curve, eos_token_id=-1)
+           for p, d, _ in cases]
+    monkeypatch.setattr(S, "packed_capacity", lambda *a: 64)  # a row smaller than three requests need
+    for (p, _, d), r in zip(cases, ref):
+        out = S.serve(ft, reqs, policy=p, drafter=d, concurrency=3, curve=curve, eos_token_id=-1)
+        assert [x.tokens for x in out.requests] == [x.tokens for x in r.requests], p
+        assert out.grown >= 1 and out.tokens == sum(budgets)
+    if compile:
+        assert ft.stats.compiled_calls > 0 and ft.stats.recompiles == 0 and ft.stats.warmup_s
+    else:
+        assert ft.stats.eager_calls > 0 and ft.stats.compiled_calls == 0
+
+
 # ---------------------------------------------------------------- exact losslessness with concurrent requests
 
 
@@ -310,3 +342,18 @@ def test_simulate_cli_on_the_committed_sweep(tmp_path, capsys):
     assert sim["note"].startswith("SIMULATED") and len(sim["rows"]) == 2 * len(sweep["settings"]["policies"])
     assert all(r["simulated"] and r["throughput"] > 0 for r in sim["rows"])
     assert len(sim["validation"]) == len(sweep["rows"])
+
+
+def test_sweep_forwards_and_the_simulators_rows(target):
+    """The sweep's forward modes: each mode's target (an unknown one refused by name), and the simulator modelling
+    only the first mode's rows of a side-by-side sweep (a sweep without modes: every row)."""
+    from specbook.fastpath import FastTarget
+
+    assert S.forward_target(target, "hf") is target
+    assert isinstance(S.forward_target(target, "static"), FastTarget) and not S.forward_target(target, "static").compiled
+    with pytest.raises(ValueError, match="forward must be one of"):
+        S.forward_target(target, "cuda-graphs")
+    rows = [{"policy": "none", "forward": "compiled"}, {"policy": "none", "forward": "hf"}]
+    assert S.sim_rows({"settings": {"forwards": ["hf", "compiled"]}, "rows": rows}) == [rows[1]]
+    old = [{"policy": "none"}, {"policy": "alg1"}]
+    assert S.sim_rows({"settings": {}, "rows": old}) == old

@@ -16,7 +16,7 @@ preallocated once and written in place at explicit slots, and forwards compiled 
                         eager (compile=False): attends over the written slots only — the reference
                         compiled: a block of n tokens is padded to the next bucket (1, 2, 4, ... 64), attends over
                         the whole capacity with a mask, and runs one torch.compile'd graph per bucket (and per
-                        with / without hidden states); prefills run eagerly
+                        with / without hidden states); prefills (a prompt, or one joining a packed row) run eagerly
                       With any other cache (a DynamicCache), the call goes to the wrapped model unchanged.
 
 The loops get a static cache from ``decoding.new_cache(model, capacity=...)`` when ``model`` is a FastTarget: plain
@@ -204,6 +204,7 @@ class FastStats:
     recompiles: int = 0  # graphs built again for a bucket and capacity that had one (should stay 0)
     warmup_s: dict = field(default_factory=dict)  # "bucket" / "bucket+hidden" -> seconds of its first (compiling) call
     capacities: set = field(default_factory=set)  # cache capacities the compiled graphs were built for
+    built: set = field(default_factory=set)  # (graph key, capacity) pairs compiled so far
 
     def as_json(self) -> dict:
         return {"compiled_calls": self.compiled_calls, "eager_calls": self.eager_calls, "fallbacks": self.fallbacks,
@@ -320,9 +321,11 @@ class FastTarget:
         bucket = next((b for b in self.buckets if b >= n), None) if self.compiled else None
         if bucket is not None and past + bucket > cache.capacity:
             bucket = None  # the padded bucket would run past the cache's end (a cache made elsewhere): eager
-        if bucket is None or n > 1 and past == 0:  # eager: compile=False, prefills, blocks above the buckets
+        # a prefill: a prompt into an empty cache, or one joining a packed row (it keeps fewer logits than tokens)
+        prefill = n > 1 and (past == 0 or 0 < logits_to_keep < n)
+        if bucket is None or prefill:  # eager: compile=False, prefills, blocks above the buckets
             self.stats.eager_calls += 1
-            self.stats.fallbacks += int(self.compiled and past > 0)
+            self.stats.fallbacks += int(self.compiled and not prefill)
             width = past + n
             mask = additive_mask(allowed_mask(n, past, width, B, attention_mask), self.lm.dtype).to(dev)
             slots = torch.arange(past, past + n, device=dev)
@@ -340,15 +343,16 @@ class FastTarget:
                 position_ids.to(torch.long).clone(memory_format=torch.contiguous_format)
             slots = torch.arange(past, past + bucket, device=dev)
             keep = 0 if logits_to_keep == 0 else logits_to_keep + pad
-            key = f"{bucket}+hidden" if output_hidden_states else str(bucket)
+            key = f"{bucket}" + ("+hidden" if output_hidden_states else "") + (f"+keep{keep}" if keep else "")
             graphs = _graphs_built()
             t0 = time.perf_counter()
             logits, hs = self._fn(self.lm, input_ids, position_ids, mask, slots, cache.keys, cache.values, width,
                                   bool(output_hidden_states), keep, True, self._head)
             if _graphs_built() > graphs:  # this call compiled: warm-up, reported, never hidden in a figure
-                self.stats.recompiles += int(key in self.stats.warmup_s and width in self.stats.capacities)
+                self.stats.recompiles += int((key, width) in self.stats.built)
                 self.stats.warmup_s[key] = self.stats.warmup_s.get(key, 0.0) + time.perf_counter() - t0
                 self.stats.capacities.add(width)
+                self.stats.built.add((key, width))
             self.stats.compiled_calls += 1
             if pad:
                 logits = logits[:, : logits.shape[1] - pad]

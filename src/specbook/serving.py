@@ -21,6 +21,11 @@ decides l_r from quantities known before the tokens it admits were drawn (non-an
 without its early stop: it reads a_{r,j+1}, which depends on the drafted x_{r,j}, to decide whether x_{r,j} is
 verified (DSpark's Appendix A). It exists to show that bias and is refused unless asked for by name.
 
+The packed row is transformers' dynamic cache, or, when the target is a ``fastpath.FastTarget``, its static cache:
+allocated once for the running requests (``packed_capacity``), holes compacted away when a forward would not fit,
+compiled graphs built before the clock starts (``ServeResult.compile_s``). A compiled forward attends over the whole
+row's capacity, so its attention cost follows the row's size rather than the live slots.
+
 Drafting: ``Drafter.propose_batch`` over every running request (the block drafter runs ONE forward for all of
 them); its time is measured and reported apart from the target's.
 """
@@ -297,14 +302,36 @@ def poisson_trace(prompts: list[list[int]], max_new_tokens: int, rate: float, se
 
 class PackedCache:
     """Every running request's KV in ONE cache row: ``owner[s]`` = the request slot s belongs to (-1 = a hole: a
-    rejected draft token or a finished request). Each request keeps its own position count."""
+    rejected draft token or a finished request). Each request keeps its own position count.
 
-    def __init__(self, target):
+    ``capacity``: with a ``fastpath.FastTarget``, the row is a preallocated static cache of that many slots (holes
+    compacted away when a forward would not fit; grown, counted in ``grown``, when the live slots alone do not);
+    None = transformers' dynamic cache."""
+
+    def __init__(self, target, capacity: int | None = None):
         from .decoding import new_cache
 
-        self.cache = new_cache(target)
+        self.target = target
+        self.cache = new_cache(target, capacity)
         self.owner = torch.zeros(0, dtype=torch.long)
         self.dtype, self.device = target.dtype, target.device
+        self.grown = 0
+
+    def fit(self, n: int) -> None:
+        """Make room for a forward of ``n`` more slots in a static row: drop the holes, else grow (a copy)."""
+        cap = getattr(self.cache, "capacity", None)
+        pad = max(getattr(self.target, "buckets", (1,))) if getattr(self.target, "compiled", False) else 0
+        if cap is None or len(self.owner) + n + pad <= cap:
+            return
+        if self.holes:
+            self.compact()
+        if len(self.owner) + n + pad > cap:
+            old, self.cache = self.cache, self.target.new_cache(2 * (len(self.owner) + n))
+            for k, v, k2, v2 in zip(old.keys, old.values, self.cache.keys, self.cache.values):
+                k2[:, :, :old.length] = k[:, :, :old.length]
+                v2[:, :, :old.length] = v[:, :, :old.length]
+            self.cache.length = old.length
+            self.grown += 1
 
     @property
     def holes(self) -> int:
@@ -402,6 +429,8 @@ class ServeResult:
     requests: list[RequestResult]
     steps: list[StepRecord]
     clock: float  # server seconds (busy time; idle gaps of an arrival trace skipped)
+    compile_s: float = 0.0  # a compiled FastTarget's graph builds before the clock started (never inside it)
+    grown: int = 0  # times a static packed row had to be reallocated larger (0 when its start capacity sufficed)
 
     @property
     def tokens(self) -> int:
@@ -424,7 +453,7 @@ class ServeResult:
                 "accepted_per_step": acc / max(len(steps), 1), "acceptance": acc / ver if ver else None,
                 "batch_tokens_mean": sum(s.batch_tokens for s in steps) / max(len(steps), 1),
                 "draft_s": sum(s.draft_s for s in steps), "verify_s": sum(s.verify_s for s in steps),
-                "prefill_s": sum(s.prefill_s for s in self.steps)}
+                "prefill_s": sum(s.prefill_s for s in self.steps), "compile_s": self.compile_s, "grown": self.grown}
 
 
 def check_drafter(policy: Policy, drafter: Drafter | None) -> None:
@@ -466,7 +495,9 @@ def serve(target, requests: list[Request], *, policy: str | Policy = "none", dra
         raise ValueError("serve() got no requests")
     for r in requests:
         check_request(target, torch.zeros(1, len(r.prompt), dtype=torch.long), r.max_new_tokens, sampling, generator)
-    loop = _Loop(target, pol, drafter, curve, sampling, generator, eos_set(eos_token_id, target), record)
+    loop = _Loop(target, pol, drafter, curve, sampling, generator, eos_set(eos_token_id, target), record,
+                 packed_capacity(target, requests, concurrency, drafter))
+    compile_s = loop.warm_up()
     queue = sorted(requests, key=lambda r: (r.arrival, r.rid))
     bar = tqdm(total=len(requests), desc=f"serve {pol} c={concurrency}", disable=not progress)
     while queue or loop.running:
@@ -474,24 +505,48 @@ def serve(target, requests: list[Request], *, policy: str | Policy = "none", dra
         bar.update(loop.leave())
     bar.close()
     loop.results.sort(key=lambda x: x.rid)
-    return ServeResult(str(pol), concurrency, loop.results, loop.steps, loop.clock)
+    return ServeResult(str(pol), concurrency, loop.results, loop.steps, loop.clock, compile_s, loop.kv.grown)
+
+
+def packed_capacity(target, requests: list[Request], concurrency: int, drafter: Drafter | None) -> int | None:
+    """The slots a static packed row starts with (a ``fastpath.FastTarget`` target; None otherwise): the
+    ``concurrency`` longest requests whole, plus a draft block each. Holes are compacted away when a forward would
+    not fit, so this is what the live requests need, not what a run writes."""
+    from .fastpath import FastTarget
+
+    if not isinstance(target, FastTarget):
+        return None
+    sizes = sorted(len(r.prompt) + r.max_new_tokens for r in requests)[-concurrency:]
+    return sum(sizes) + len(sizes) * (getattr(drafter, "gamma", 0) + 2)
 
 
 class _Loop:
     """The state of one ``serve`` call; ``step`` runs steps 0-4 of the module docstring, ``leave`` step 5."""
 
-    def __init__(self, target, pol: Policy, drafter, curve, sampling, generator, eos, record: bool):
+    def __init__(self, target, pol: Policy, drafter, curve, sampling, generator, eos, record: bool,
+                 capacity: int | None = None):
         self.target, self.pol, self.drafter, self.curve = target, pol, drafter, curve
         self.sampling, self.generator, self.eos, self.record = sampling, generator, eos, record
         self.hidden = bool(drafter is not None and pol.drafts and drafter.needs_hidden)
-        self.kv = PackedCache(target)
+        self.capacity = capacity
+        self.kv = PackedCache(target, capacity)
         self.ctx = context_length(target)
         self.running: list[Running] = []
         self.results: list[RequestResult] = []
         self.steps: list[StepRecord] = []
         self.clock = 0.0
 
+    def warm_up(self) -> float:
+        """A compiled FastTarget's graphs for this row's width, built before the clock starts (0 once built: dynamo
+        keeps them for the process). Returns the seconds spent compiling."""
+        if self.capacity is None or not self.target.compiled:
+            return 0.0
+        before = sum(self.target.stats.warmup_s.values())
+        self.target.warm_up(self.capacity, hidden=(self.hidden,))
+        return sum(self.target.stats.warmup_s.values()) - before
+
     def _forward(self, segments, **kw):
+        self.kv.fit(sum(len(ts) for _, ts, _ in segments))
         ids, pos, mask, q_owner = self.kv.inputs(segments)
         out = self.target(input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kw(self.kv.cache),
                           use_cache=True, output_hidden_states=self.hidden, **kw)
@@ -722,48 +777,79 @@ def eval_prompt_ids(tokenizer, n: int, max_prompt: int = 256) -> list[list[int]]
     raise ValueError(f"only {len(out)} eval prompts have <= {max_prompt} tokens; ask for fewer requests")
 
 
+FORWARDS = ("hf", "static", "compiled")  # the packed forward: transformers' cache, or a FastTarget's static row
+
+
+def forward_target(model, forward: str):
+    """``model`` for one serving forward mode: itself ("hf"), or wrapped in a ``fastpath.FastTarget`` ("static" =
+    eager over the written slots, "compiled" = torch.compile'd per block bucket)."""
+    if forward not in FORWARDS:
+        raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
+    if forward == "hf":
+        return model
+    from .fastpath import FastTarget
+
+    return FastTarget(model, compile=forward == "compiled")
+
+
 def run_sweep(model, tokenizer, drafter, *, concurrencies, policies, max_new_tokens: int = 32,
               temperature: float = 0.0, seed: int = 0, curve: StepCurve | None = None, progress: bool = True,
-              requests_per_level: int = 2, min_requests: int = 8) -> dict:
+              requests_per_level: int = 2, min_requests: int = 8, forwards: tuple[str, ...] = ("hf",)) -> dict:
     """Every policy at every concurrency on the same requests (``requests_per_level`` x c of the eval prompts, at
-    least ``min_requests``), policies interleaved per level; per-request traces recorded for the simulator."""
+    least ``min_requests``), policies (and ``forwards``, the packed forward's modes) interleaved per level; each
+    forward schedules with its own step curve. Per-request traces (of the first forward's runs) recorded for the
+    simulator, whose costs come from the first forward's rows and curve."""
     from .models import machine_info
 
     for c in concurrencies:
         if not isinstance(c, int) or c < 1:
             raise ValueError(f"concurrency must be an int >= 1, got {c!r}")
+    if not forwards or len(set(forwards)) != len(forwards):
+        raise ValueError(f"forwards must be distinct modes of {FORWARDS}, got {forwards!r}")
     pols = [parse_policy(p) for p in policies]
-    curve = curve or profile_step_curve(model, progress=progress)
+    targets = {f: forward_target(model, f) for f in forwards}
+    curves = {f: (curve if curve is not None and f == forwards[0] else profile_step_curve(t, progress=progress))
+              for f, t in targets.items()}
     sampling = SamplingConfig(temperature=temperature)
     prompts = eval_prompt_ids(tokenizer, max(max(requests_per_level * c, min_requests) for c in concurrencies))
     rows, traces = [], []
     # warm-up: one short run of every policy (thread pools, allocations)
-    for p in pols:
-        serve(model, closed_loop(prompts[:2], 4), policy=p, drafter=drafter, concurrency=2, curve=curve,
-              sampling=sampling, generator=torch.Generator().manual_seed(seed))
+    for f, t in targets.items():
+        for p in pols:
+            serve(t, closed_loop(prompts[:2], 4), policy=p, drafter=drafter, concurrency=2, curve=curves[f],
+                  sampling=sampling, generator=torch.Generator().manual_seed(seed))
     for c in concurrencies:
         reqs = closed_loop(prompts[:max(requests_per_level * c, min_requests)], max_new_tokens)
         for p in pols:
-            res = serve(model, reqs, policy=p, drafter=drafter, concurrency=c, curve=curve, sampling=sampling,
-                        generator=torch.Generator().manual_seed(seed), record=True, progress=progress)
-            rows.append(res.summary())
-            if p.kind == "fixed" and p.k >= drafter.gamma:
-                traces += [[{"survival": [round(a, 4) for a in t["survival"]], "match": t["match"]} for t in r.trace]
-                           for r in res.requests]
+            for f, t in targets.items():
+                res = serve(t, reqs, policy=p, drafter=drafter, concurrency=c, curve=curves[f], sampling=sampling,
+                            generator=torch.Generator().manual_seed(seed), record=True, progress=progress)
+                rows.append({**res.summary(), "forward": f})
+                if f == forwards[0] and p.kind == "fixed" and p.k >= drafter.gamma:
+                    traces += [[{"survival": [round(a, 4) for a in x["survival"]], "match": x["match"]}
+                                for x in r.trace] for r in res.requests]
+    fast = {f: t.stats.as_json() for f, t in targets.items() if f != "hf"}
     return {"machine": machine_info(),
             "settings": {"dtype": str(model.dtype).replace("torch.", ""), "max_new_tokens": max_new_tokens,
                          "temperature": temperature, "seed": seed, "concurrencies": list(concurrencies),
                          "policies": [str(p) for p in pols], "gamma": drafter.gamma,
                          "requests_per_level": requests_per_level, "min_requests": min_requests,
-                         "threads": torch.get_num_threads()},
-            "curve": curve.to_json(), "rows": rows, "traces": traces}
+                         "threads": torch.get_num_threads(), "forwards": list(forwards), "fast": fast},
+            "curve": curves[forwards[0]].to_json(), "curves": {f: c.to_json() for f, c in curves.items()},
+            "rows": rows, "traces": traces}
+
+
+def sim_rows(result: dict) -> list[dict]:
+    """The rows the simulator models: the sweep's first forward (a sweep without forwards: all of them)."""
+    first = result["settings"].get("forwards", [None])[0]
+    return [r for r in result["rows"] if r.get("forward") == first]
 
 
 def sim_costs(result: dict) -> SimCosts:
     """The simulator's costs from a sweep: its step curve, the drafting / prefill seconds per request measured in the
     real runs (means over the drafting runs and over all joins), and the per-request step overhead beyond the curve
     (median over the runs)."""
-    rows = result["rows"]
+    rows = sim_rows(result)
     drafting = [r for r in rows if r["policy"] != "none"]
     draft_s = sum(r["draft_s"] for r in drafting) / max(sum(r["request_steps"] for r in drafting), 1)
     prefill_s = sum(r["prefill_s"] for r in rows) / max(sum(r["requests"] for r in rows), 1)
@@ -778,7 +864,7 @@ def validate(result: dict) -> list[dict]:
     """The simulator against every real run of a sweep: (concurrency, policy, real, simulated, relative error)."""
     costs, out = sim_costs(result), []
     mx = result["settings"]["max_new_tokens"]
-    for r in result["rows"]:
+    for r in sim_rows(result):
         s = simulate(result["traces"], r["policy"], r["concurrency"], costs, requests=r["requests"],
                      max_new_tokens=mx)
         out.append({"concurrency": r["concurrency"], "policy": r["policy"], "real": r["throughput"],
@@ -787,7 +873,7 @@ def validate(result: dict) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    cols = ["concurrency", "policy", "throughput", "latency_mean", "batch_tokens_mean", "verified_per_step",
+    cols = ["concurrency", "policy", "forward", "throughput", "latency_mean", "batch_tokens_mean", "verified_per_step",
             "accepted_per_step", "draft_s", "verify_s", "prefill_s"]
     cols = [c for c in cols if c in rows[0]]
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
@@ -813,6 +899,9 @@ def main(argv=None) -> None:
     b.add_argument("--max-new-tokens", type=int, default=32)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--forward", nargs="+", default=["hf"], choices=FORWARDS,
+                   help="the packed forward, one or more side by side: transformers' cache (hf), a static row "
+                        "eagerly (static) or compiled per block bucket (compiled); the simulator models the first")
     b.add_argument("--out", type=Path, default=None)
     s = sub.add_parser("simulate", help="replay a bench JSON's traces at other concurrencies (a simulation)")
     s.add_argument("bench_json", type=Path)
@@ -843,7 +932,8 @@ def _cmd_bench(a, argv) -> None:
 
     model, tok, drafter = _load(a.model, a.dtype, a.drafter)
     res = run_sweep(model, tok, drafter, concurrencies=a.concurrency, policies=a.policy,
-                    max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed)
+                    max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
+                    forwards=tuple(a.forward))
     res["settings"].update(model=a.model, drafter=a.drafter,
                            command="python -m specbook.serving " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(markdown(res["rows"]))  # the simulator's validation is derived from it: serving.validate(res)
