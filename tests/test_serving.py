@@ -227,6 +227,8 @@ def test_serving_on_the_static_cache_equals_transformers_cache(target, compile, 
         out = S.serve(ft, reqs, policy=p, drafter=d, concurrency=3, curve=curve, eos_token_id=-1)
         assert [x.tokens for x in out.requests] == [x.tokens for x in r.requests], p
         assert out.grown >= 1 and out.tokens == sum(budgets)
+        # compiled: the row's graphs before the clock; the grown row's wider graphs inside it, reported apart
+        assert (out.compile_s > 0 and out.compile_in_clock_s > 0) if compile else out.compile_s == 0
     if compile:
         assert ft.stats.compiled_calls > 0 and ft.stats.recompiles == 0 and ft.stats.warmup_s
     else:

@@ -23,7 +23,8 @@ verified (DSpark's Appendix A). It exists to show that bias and is refused unles
 
 The packed row is transformers' dynamic cache, or, when the target is a ``fastpath.FastTarget``, its static cache:
 allocated once for the running requests (``packed_capacity``), holes compacted away when a forward would not fit,
-compiled graphs built before the clock starts (``ServeResult.compile_s``). A compiled forward attends over the whole
+compiled graphs built before the clock starts (``ServeResult.compile_s``; any built during the run, e.g. after the row
+grew, are reported apart in ``compile_in_clock_s``). A compiled forward attends over the whole
 row's capacity, so its attention cost follows the row's size rather than the live slots.
 
 Drafting: ``Drafter.propose_batch`` over every running request (the block drafter runs ONE forward for all of
@@ -429,7 +430,8 @@ class ServeResult:
     requests: list[RequestResult]
     steps: list[StepRecord]
     clock: float  # server seconds (busy time; idle gaps of an arrival trace skipped)
-    compile_s: float = 0.0  # a compiled FastTarget's graph builds before the clock started (never inside it)
+    compile_s: float = 0.0  # a compiled FastTarget's graph builds before the clock started
+    compile_in_clock_s: float = 0.0  # graph builds during the run (a bucket not warmed, a grown row): inside the clock
     grown: int = 0  # times a static packed row had to be reallocated larger (0 when its start capacity sufficed)
 
     @property
@@ -453,7 +455,8 @@ class ServeResult:
                 "accepted_per_step": acc / max(len(steps), 1), "acceptance": acc / ver if ver else None,
                 "batch_tokens_mean": sum(s.batch_tokens for s in steps) / max(len(steps), 1),
                 "draft_s": sum(s.draft_s for s in steps), "verify_s": sum(s.verify_s for s in steps),
-                "prefill_s": sum(s.prefill_s for s in self.steps), "compile_s": self.compile_s, "grown": self.grown}
+                "prefill_s": sum(s.prefill_s for s in self.steps), "compile_s": self.compile_s,
+                "compile_in_clock_s": self.compile_in_clock_s, "grown": self.grown}
 
 
 def check_drafter(policy: Policy, drafter: Drafter | None) -> None:
@@ -497,7 +500,7 @@ def serve(target, requests: list[Request], *, policy: str | Policy = "none", dra
         check_request(target, torch.zeros(1, len(r.prompt), dtype=torch.long), r.max_new_tokens, sampling, generator)
     loop = _Loop(target, pol, drafter, curve, sampling, generator, eos_set(eos_token_id, target), record,
                  packed_capacity(target, requests, concurrency, drafter))
-    compile_s = loop.warm_up()
+    compile_s = loop.warm_up(concurrency)
     queue = sorted(requests, key=lambda r: (r.arrival, r.rid))
     bar = tqdm(total=len(requests), desc=f"serve {pol} c={concurrency}", disable=not progress)
     while queue or loop.running:
@@ -505,7 +508,8 @@ def serve(target, requests: list[Request], *, policy: str | Policy = "none", dra
         bar.update(loop.leave())
     bar.close()
     loop.results.sort(key=lambda x: x.rid)
-    return ServeResult(str(pol), concurrency, loop.results, loop.steps, loop.clock, compile_s, loop.kv.grown)
+    late = loop.compiled_s() - compile_s
+    return ServeResult(str(pol), concurrency, loop.results, loop.steps, loop.clock, compile_s, late, loop.kv.grown)
 
 
 def packed_capacity(target, requests: list[Request], concurrency: int, drafter: Drafter | None) -> int | None:
@@ -530,20 +534,28 @@ class _Loop:
         self.hidden = bool(drafter is not None and pol.drafts and drafter.needs_hidden)
         self.capacity = capacity
         self.kv = PackedCache(target, capacity)
+        self._compiled0 = sum(target.stats.warmup_s.values()) if capacity is not None else 0.0
         self.ctx = context_length(target)
         self.running: list[Running] = []
         self.results: list[RequestResult] = []
         self.steps: list[StepRecord] = []
         self.clock = 0.0
 
-    def warm_up(self) -> float:
-        """A compiled FastTarget's graphs for this row's width, built before the clock starts (0 once built: dynamo
-        keeps them for the process). Returns the seconds spent compiling."""
+    def compiled_s(self) -> float:
+        """Seconds this call's FastTarget has spent compiling so far (since the loop began)."""
+        return sum(self.target.stats.warmup_s.values()) - self._compiled0 if self.capacity is not None else 0.0
+
+    def warm_up(self, concurrency: int) -> float:
+        """A compiled FastTarget's graphs for this row's width, built before the clock starts (none once built:
+        dynamo keeps them for the process): the buckets up to the one holding ``concurrency`` requests' full
+        blocks. Returns the seconds spent compiling."""
         if self.capacity is None or not self.target.compiled:
             return 0.0
-        before = sum(self.target.stats.warmup_s.values())
-        self.target.warm_up(self.capacity, hidden=(self.hidden,))
-        return sum(self.target.stats.warmup_s.values()) - before
+        most = concurrency * (1 + (getattr(self.drafter, "gamma", 0) if self.pol.drafts else 0))
+        buckets = self.target.buckets
+        need = tuple(b for b in buckets if b < most) + tuple(b for b in buckets if b >= most)[:1]
+        self.target.warm_up(self.capacity, buckets=need, hidden=(self.hidden,))
+        return self.compiled_s()
 
     def _forward(self, segments, **kw):
         self.kv.fit(sum(len(ts) for _, ts, _ in segments))
