@@ -906,8 +906,7 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
     for t in fast:  # every bucket compiled now (with hidden states too where a drafter asked for them)
         t.warm_up(hidden=tuple(sorted({k.endswith("+hidden") for k in t.stats.warmup_s} | {False})),
                   progress=progress)
-    drafts = fast_drafts(loaded)
-    for t in drafts.values():  # the draft models' graphs too (every bucket a step can use)
+    for t in (drafts := fast_drafts(loaded)).values():  # the draft models' graphs too (every bucket a step can use)
         t.warm_up(progress=progress)
     tot, cat, mem = _interleaved(runners, methods, prompts, encoded, repeats, seed, progress)
     base = tot["ar"]["new_tokens"] / tot["ar"]["seconds"]

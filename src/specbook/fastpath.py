@@ -321,8 +321,7 @@ class FastTarget:
         bucket = next((b for b in self.buckets if b >= n), None) if self.compiled else None
         if bucket is not None and past + bucket > cache.capacity:
             bucket = None  # the padded bucket would run past the cache's end (a cache made elsewhere): eager
-        # a prefill: a prompt into an empty cache, or one joining a packed row (it keeps fewer logits than tokens)
-        prefill = n > 1 and (past == 0 or 0 < logits_to_keep < n)
+        prefill = n > 1 and (past == 0 or 0 < logits_to_keep < n)  # a prompt, or one joining a packed row
         if bucket is None or prefill:  # eager: compile=False, prefills, blocks above the buckets
             self.stats.eager_calls += 1
             self.stats.fallbacks += int(self.compiled and not prefill)
