@@ -202,15 +202,14 @@ class FastStats:
     eager_calls: int = 0  # prefills, blocks above the largest bucket, compile=False
     fallbacks: int = 0  # blocks longer than the largest bucket in compiled mode
     recompiles: int = 0  # graphs built again for a bucket and capacity that had one (should stay 0)
-    warmup_s: dict = field(default_factory=dict)  # "bucket" / "bucket+hidden" -> seconds of its first (compiling) call
-    capacities: set = field(default_factory=set)  # cache capacities the compiled graphs were built for
-    built: set = field(default_factory=set)  # (graph key, capacity) pairs compiled so far
+    warmup_s: dict = field(default_factory=dict)  # "bucket[+hidden][+keepN]" -> seconds of its compiling calls
+    built: set = field(default_factory=set)  # (graph key, cache capacity) pairs compiled so far
 
     def as_json(self) -> dict:
         return {"compiled_calls": self.compiled_calls, "eager_calls": self.eager_calls, "fallbacks": self.fallbacks,
                 "recompiles": self.recompiles,
                 "warmup_s": {k: round(v, 2) for k, v in self.warmup_s.items()},
-                "warmup_total_s": round(sum(self.warmup_s.values()), 2), "capacities": sorted(self.capacities)}
+                "warmup_total_s": round(sum(self.warmup_s.values()), 2), "capacities": sorted({w for _, w in self.built})}
 
 
 def allowed_mask(n: int, past: int, width: int, batch: int, attention_mask: torch.Tensor | None,
@@ -350,7 +349,6 @@ class FastTarget:
             if _graphs_built() > graphs:  # this call compiled: warm-up, reported, never hidden in a figure
                 self.stats.recompiles += int((key, width) in self.stats.built)
                 self.stats.warmup_s[key] = self.stats.warmup_s.get(key, 0.0) + time.perf_counter() - t0
-                self.stats.capacities.add(width)
                 self.stats.built.add((key, width))
             self.stats.compiled_calls += 1
             if pad:
