@@ -194,6 +194,31 @@ def serving_section(name: str, d: dict) -> str:
     return head + "\n" + markdown(rows) + "\n\n" + sim
 
 
+def draft_compile_section(name: str, d: dict, bench_dir: Path = BENCH_DIR) -> str:
+    """The drafters' own forwards eager vs compiled (``python -m specbook.draft_compile``), and what the saving
+    would buy a whole step of the headline T = 0 run: (1 - fixed / eager) x draft ms / (draft + verify ms)."""
+    from .draft_compile import METHOD_OF, table
+
+    s, m = d["settings"], d["machine"]
+    head = json.loads((Path(bench_dir) / README_RUNS[0]).read_text())
+    same_cpu = head["machine"].get("cpu") == m.get("cpu")  # a share of another machine's step would mix machines
+    steps = {r["method"]: r for r in head["rows"]} if same_cpu else {}
+    gains = []
+    for r in d["rows"]:
+        st = steps.get(METHOD_OF[r["drafter"]])
+        if st and st.get("draft_ms_per_step") is not None:
+            saved = (1 - r["fixed_over_eager"]) * st["draft_ms_per_step"]
+            gains.append(f"{METHOD_OF[r['drafter']]} {100 * saved / (st['draft_ms_per_step'] + st['verify_ms_per_step']):.1f}%")
+    read = (f"\nAt most this share of a step of {README_RUNS[0]} (its draft and verify ms per step) would go if the "
+            "drafter's forwards ran at the fixed-shape compiled cost: " + ", ".join(gains) + ".\n") if gains else (
+        "" if same_cpu else f"\n{README_RUNS[0]} ran on another CPU ({head['machine'].get('cpu')}): no share of its "
+        "step is computed from this machine's costs.\n")
+    return (f"## {name}\n\n{m.get('cpu', m.get('platform', '?'))}, {s['threads']} threads, {s['dtype']}, one draft "
+            f"forward after {s['context']} cached positions (each drafter's own cost measurement), medians of "
+            f"{s['repeats']} interleaved rounds; compile seconds outside every figure (small when the inductor "
+            f"cache already holds the graph)\n\n`{s['command']}`\n\n" + table(d["rows"]) + "\n" + read)
+
+
 def results_page(bench_dir: Path = BENCH_DIR) -> str:
     """docs/RESULTS.md: every committed bench JSON, newest layout first by file name."""
     parts = ["# Results\n",
@@ -205,6 +230,9 @@ def results_page(bench_dir: Path = BENCH_DIR) -> str:
         d = json.loads(f.read_text())
         if "traces" in d:  # a serving sweep
             parts.append(serving_section(f.stem, d))
+            continue
+        if d["settings"].get("command", "").startswith("python -m specbook.draft_compile"):
+            parts.append(draft_compile_section(f.stem, d))
             continue
         parts.append(_run_header(f.stem, d))
         parts.append(main_table(d) + "\n")
