@@ -10,13 +10,15 @@ from specbook import draft_compile, report
 from specbook.drafters.dflash import BlockNet
 from specbook.drafters.eagle import EagleHead
 from specbook.drafters.eagle3 import Eagle3Head
+from specbook.drafters.medusa import MedusaHeads
 from specbook.drafters.mtp import MTPModules
 
 
 def _nets(tiny):
     torch.manual_seed(0)
     vocab = torch.arange(0, tiny.config.vocab_size, 2)
-    return {"eagle": (EagleHead(tiny.config).eval(), None),
+    return {"medusa": (MedusaHeads(tiny.config.hidden_size, 3).eval(), vocab),
+            "eagle": (EagleHead(tiny.config).eval(), None),
             "eagle3": (Eagle3Head(tiny.config, vocab, taps=(0, 1, 2)).eval(), None),
             "mtp": (MTPModules(tiny.config, 2).eval(), None),
             "dspark": (BlockNet(tiny.config, vocab, gamma=3, taps=(1, 2), markov_rank=4, confidence=True).eval(), None)}
@@ -43,8 +45,8 @@ def test_each_drafters_cost_measurement_runs_eager_and_compiled(tiny, kind):
 
 
 def test_probe_needs_the_committed_drafters_and_names_an_unknown_one(tiny):
-    with pytest.raises(ValueError, match="unknown drafter 'medusa'"):
-        draft_compile._load(tiny, "medusa", None)
+    with pytest.raises(ValueError, match="unknown drafter 'pld'"):
+        draft_compile._load(tiny, "pld", None)
     with pytest.raises(SystemExit, match="--repeats"):
         draft_compile.main(["--repeats", "0"])
 

@@ -121,3 +121,14 @@ def test_roofline_latency_is_flat_left_of_the_ridge_and_linear_right_of_it():
     fast = rl.speedup_with_latency(0.8, 7, 0.05, rl.roofline_latency(rl.LLAMA_70B, rl.DATASHEET["H100 SXM"]))
     sram = rl.speedup_with_latency(0.8, 7, 0.05, rl.roofline_latency(rl.LLAMA_70B, rl.SRAM_DATASHEET["Groq LPU"]))
     assert sram < fast
+
+
+def test_latency_table_equals_interpolating_each_size():
+    """The tree-size rules read latency(n) from one table per curve; it must equal interp_latency at every size
+    (below the first point, between points, beyond the last), and a changed curve must not reuse an old table."""
+    from specbook.roofline import interp_latency, latency_table
+
+    curve = {1: 0.02, 2: 0.021, 8: 0.025, 16: 0.03}
+    assert latency_table(curve, 40) == tuple(interp_latency(curve, n) for n in range(41))
+    steeper = {**curve, 16: 0.06}
+    assert latency_table(steeper, 40)[30] == interp_latency(steeper, 30) != latency_table(curve, 40)[30]

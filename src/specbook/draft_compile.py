@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-HEADS = ("eagle", "eagle3", "mtp", "dspark")
-METHOD_OF = {"eagle": "eagle2", "eagle3": "eagle3", "mtp": "mtp", "dspark": "dspark"}  # the bench method drafting with it
+HEADS = ("medusa", "eagle", "eagle3", "mtp", "dspark")
+# the bench method that drafts with each (its draft ms per step prices the saving on the results page)
+METHOD_OF = {"medusa": "medusa", "eagle": "eagle2", "eagle3": "eagle3", "mtp": "mtp", "dspark": "dspark"}
 
 
 def compiled_copy(module: torch.nn.Module, method: str = "forward", dynamic: bool = False) -> torch.nn.Module:
@@ -36,6 +37,10 @@ def _load(target, kind: str, folder: Path | None):
     from .bench import DrafterSettings
 
     path = (folder or DrafterSettings().folder()) / kind  # a checkpoint without its suffix, as the bench reads it
+    if kind == "medusa":
+        from .drafters.medusa import load_medusa
+
+        return load_medusa(target, path)[:2]
     if kind == "eagle":
         from .drafters.eagle import load_eagle
 
@@ -56,7 +61,7 @@ def _load(target, kind: str, folder: Path | None):
 
 
 def _compiled(kind: str, net, dynamic: bool):
-    """The network with its draft forward compiled: the head's forward (EAGLE, EAGLE-3), each MTP module's, the
+    """The network with its draft forward compiled: the head's forward (Medusa, EAGLE, EAGLE-3), each MTP module's, the
     DFlash / DSpark block's."""
     if kind == "mtp":
         twin = copy.copy(net)
@@ -67,7 +72,16 @@ def _compiled(kind: str, net, dynamic: bool):
 
 
 def _cost(target, kind: str, net, vocab, context: int) -> float:
-    """Seconds of one draft forward after ``context`` cached positions: the drafter's own cost measurement."""
+    """Seconds of one draft forward after ``context`` cached positions: the drafter's own cost measurement (Medusa:
+    its heads and top-k over the head vocabulary on one hidden state, the whole of its drafting; no context)."""
+    if kind == "medusa":
+        from .drafters import head_rows
+        from .roofline import median_seconds
+
+        W, _ = head_rows(target.get_output_embeddings().weight, vocab)
+        h = torch.zeros(W.shape[1], dtype=W.dtype, device=W.device)
+        with torch.inference_mode():
+            return median_seconds(lambda: (net(h) @ W.T).topk(10, dim=-1))
     if kind == "eagle":
         from .drafters.eagle import measure_draft_cost
 

@@ -188,10 +188,30 @@ def serving_section(name: str, d: dict) -> str:
             f"{s['min_requests']}) requests x {s['max_new_tokens']} tokens, temperature {s['temperature']}\n\n"
             f"`{s.get('command', 'run_sweep(...) from Python')}`\n")
     rows = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in d["rows"]]
-    errs = sorted(abs(v["error"]) for v in validate(d))
+    errs = sorted(abs(v["error"]) for v in validate(d)) if d["traces"] else []
     sim = (f"Simulator (`serving.simulate`, the same traces and costs) against these runs: median error "
-           f"{100 * errs[len(errs) // 2]:.1f}%, worst {100 * errs[-1]:.1f}% over {len(errs)} runs.\n") if errs else ""
-    return head + "\n" + markdown(rows) + "\n\n" + sim
+           f"{100 * errs[len(errs) // 2]:.1f}%, worst {100 * errs[-1]:.1f}% over {len(errs)} runs.\n") if errs else (
+        f"No full-block run (fixed:{s['gamma']}) in this sweep, so no acceptance traces: the simulator is not "
+        "validated against it.\n")
+    warm = sum(f.get("warmup_total_s", 0) for f in s.get("fast", {}).values())
+    if warm:
+        head += (f"\nCompiled graphs built before the clock: {warm:.0f} s (every reachable bucket, with and without "
+                 "hidden states, at each row capacity), outside every figure.\n")
+    return head + "\n" + markdown(rows) + "\n\n" + _forward_ratios(d["rows"]) + sim
+
+
+def _forward_ratios(rows: list[dict]) -> str:
+    """In a sweep of several forward modes: each later mode's throughput over the first's, per concurrency and policy."""
+    modes = list(dict.fromkeys(r["forward"] for r in rows if "forward" in r))
+    if len(modes) < 2:
+        return ""
+    by = {(r["concurrency"], r["policy"], r["forward"]): r["throughput"] for r in rows}
+    parts = []
+    for m in modes[1:]:
+        cells = [f"c={c} {p} {by[(c, p, m)] / by[(c, p, modes[0])]:.2f}x" for (c, p, f) in by if f == modes[0]
+                 and (c, p, m) in by]
+        parts.append(f"Throughput {m} / {modes[0]}: " + ", ".join(cells) + ".\n\n")
+    return "".join(parts)
 
 
 def draft_compile_section(name: str, d: dict, bench_dir: Path = BENCH_DIR) -> str:

@@ -9,6 +9,7 @@ barely changes bytes: until k*B reaches the ridge, it costs about one step.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -257,15 +258,28 @@ def interp_latency(latency: dict[int, float], n: float) -> float:
     return latency[ks[-1]] * n / ks[-1]
 
 
+def latency_table(latency: dict[int, float], n_max: int) -> tuple[float, ...]:
+    """(interp_latency(latency, n) for n = 0..n_max), computed once per curve and size: the tree-size rules below
+    read it for every candidate size, several times per decoding step."""
+    return _latency_table(tuple(sorted(latency.items())), n_max)
+
+
+@functools.lru_cache(maxsize=64)
+def _latency_table(items: tuple[tuple[int, float], ...], n_max: int) -> tuple[float, ...]:
+    curve = dict(items)
+    return tuple(interp_latency(curve, n) for n in range(n_max + 1))
+
+
 def step_rates(values: list[float], latency: dict[int, float], max_nodes: int, overhead: float = 0.0) -> list[float]:
     """Expected tokens per second of a step keeping the k most confident nodes, for k = 1..max_nodes:
     (1 + sum of the k largest ``values``) / (overhead + latency(k + 1)). ``values`` = path confidences
     (an estimate of each node's acceptance probability), sorted descending; ``overhead`` = seconds the
     step spends besides the target forward (drafting)."""
     rates, acc = [], 1.0
+    lat = latency_table(latency, max_nodes + 1)
     for k, v in enumerate(values[:max_nodes], start=1):
         acc += v
-        rates.append(acc / (overhead + interp_latency(latency, k + 1)))
+        rates.append(acc / (overhead + lat[k + 1]))
     return rates
 
 
@@ -283,10 +297,11 @@ def nodes_to_add(held: list[float], candidates: list[float], latency: dict[int, 
     drawn stay (a sampled tree cannot drop a node by what it turned out to be)."""
     acc = 1.0 + sum(held)
     n = len(held)
-    best, best_rate = 0, acc / (overhead + interp_latency(latency, n + 1))
+    lat = latency_table(latency, max(max_nodes, n) + 1)
+    best, best_rate = 0, acc / (overhead + lat[n + 1])
     for m, v in enumerate(candidates[:max(0, max_nodes - n)], start=1):
         acc += v
-        rate = acc / (overhead + interp_latency(latency, n + m + 1))
+        rate = acc / (overhead + lat[n + m + 1])
         if rate > best_rate:
             best, best_rate = m, rate
     return best

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...roofline import interp_latency, step_rates
+from ...roofline import latency_table, step_rates
 from ...verify import DraftTree
 
 
@@ -45,9 +45,10 @@ def worth_expanding(values: list[float], frontier_mass: float, latency: dict[int
     after it can."""
     now = max(step_rates(values, latency, max_nodes, overhead), default=0.0)
     best, acc = 0.0, 1.0 + frontier_mass
+    lat = latency_table(latency, max_nodes + 1)
     for k in range(1, max_nodes + 1):
         acc += values[k - 1] if k <= len(values) else 0.0
-        best = max(best, acc / (overhead + draft_cost + interp_latency(latency, k + 1)))
+        best = max(best, acc / (overhead + draft_cost + lat[k + 1]))
     return best > now
 
 
