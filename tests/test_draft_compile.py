@@ -64,4 +64,10 @@ def test_results_section_prices_a_step_only_on_the_headline_runs_machine(tmp_pat
     head["machine"]["cpu"] = "CPU B"
     (tmp_path / report.README_RUNS[0]).write_text(json.dumps(head))
     text = report.draft_compile_section("probe", probe, tmp_path)
-    assert "ran on another CPU (CPU B)" in text and "5.0%" not in text
+    assert "No T = 0 compiled-forward bench run on this CPU" in text and "5.0%" not in text
+    head["machine"]["cpu"] = "CPU A"  # another T = 0 compiled run made on the probe's CPU is used instead
+    (tmp_path / "cpu_bf16_t0_compiled_a.json").write_text(json.dumps(head))
+    text = report.draft_compile_section("probe", probe, tmp_path)
+    assert "a step of cpu_bf16_t0_compiled_a.json" in text and "mtp 5.0%" in text
+    probe["rows"] = [{**row, "fixed_ms": 2.5, "fixed_over_eager": 1.25}]  # compiled slower: no saving, not a negative one
+    assert "mtp 0.0%" in report.draft_compile_section("probe", probe, tmp_path)

@@ -214,25 +214,34 @@ def _forward_ratios(rows: list[dict]) -> str:
     return "".join(parts)
 
 
+def same_cpu_headline(cpu: str | None, bench_dir: Path = BENCH_DIR) -> tuple[str, dict] | None:
+    """The T = 0 compiled-forward bench run made on ``cpu`` (the README's headline first, then any other
+    ``*_t0_compiled*.json``), or None: a saving measured on one machine is only priced against a step of the same."""
+    names = [README_RUNS[0], *sorted(f.name for f in Path(bench_dir).glob("*_t0_compiled*.json"))]
+    for n in dict.fromkeys(names):
+        f = Path(bench_dir) / n
+        if f.exists() and (d := json.loads(f.read_text()))["machine"].get("cpu") == cpu:
+            return n, d
+    return None
+
+
 def draft_compile_section(name: str, d: dict, bench_dir: Path = BENCH_DIR) -> str:
     """The drafters' own forwards eager vs compiled (``python -m specbook.draft_compile``), and what the saving
-    would buy a whole step of the headline T = 0 run: (1 - fixed / eager) x draft ms / (draft + verify ms)."""
+    would buy a whole step of a T = 0 compiled run on the same CPU: (1 - fixed / eager) x draft ms / step ms."""
     from .draft_compile import METHOD_OF, table
 
     s, m = d["settings"], d["machine"]
-    head = json.loads((Path(bench_dir) / README_RUNS[0]).read_text())
-    same_cpu = head["machine"].get("cpu") == m.get("cpu")  # a share of another machine's step would mix machines
-    steps = {r["method"]: r for r in head["rows"]} if same_cpu else {}
+    found = same_cpu_headline(m.get("cpu"), bench_dir)
+    steps = {r["method"]: r for r in found[1]["rows"]} if found else {}
     gains = []
     for r in d["rows"]:
         st = steps.get(METHOD_OF[r["drafter"]])
         if st and st.get("draft_ms_per_step") is not None:
-            saved = (1 - r["fixed_over_eager"]) * st["draft_ms_per_step"]
+            saved = max(0.0, 1 - r["fixed_over_eager"]) * st["draft_ms_per_step"]  # compiled slower: nothing to gain
             gains.append(f"{METHOD_OF[r['drafter']]} {100 * saved / (st['draft_ms_per_step'] + st['verify_ms_per_step']):.1f}%")
-    read = (f"\nAt most this share of a step of {README_RUNS[0]} (its draft and verify ms per step) would go if the "
+    read = (f"\nAt most this share of a step of {found[0]} (its draft and verify ms per step) would go if the "
             "drafter's forwards ran at the fixed-shape compiled cost: " + ", ".join(gains) + ".\n") if gains else (
-        "" if same_cpu else f"\n{README_RUNS[0]} ran on another CPU ({head['machine'].get('cpu')}): no share of its "
-        "step is computed from this machine's costs.\n")
+        "\nNo T = 0 compiled-forward bench run on this CPU: no share of a step is computed.\n")
     return (f"## {name}\n\n{m.get('cpu', m.get('platform', '?'))}, {s['threads']} threads, {s['dtype']}, one draft "
             f"forward after {s['context']} cached positions (each drafter's own cost measurement), medians of "
             f"{s['repeats']} interleaved rounds; compile seconds outside every figure (small when the inductor "
