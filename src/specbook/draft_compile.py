@@ -1,10 +1,11 @@
 """Does compiling a drafter's own forward pay? Each committed drafter's draft cost — the same measurement its
-"auto" size prices (EagleRunner.measure_draft_cost, mtp.measure_module_cost, dflash.measure_draft_cost) — taken
-eager and again with the head's forward ``torch.compile``d, side by side in one process.
+"auto" size prices (EagleRunner.measure_draft_cost, mtp.measure_module_cost, dflash.measure_draft_cost; Medusa: its
+heads and top-k) — taken eager and with the head's forward ``torch.compile``d, side by side in one process.
 
-The compiled side sees the same shapes on every call (a fixed context, cache cropped back after each run), so no
-recompile is timed: it is compilation's best case. Where even that does not beat eager, the drafter stays eager
-on the fast path; the verdict is measured here, per machine, not assumed.
+Two compiled sides: fixed shapes (the measured shapes on every call, cache cropped back after each run, so no
+recompile is timed: compilation's best case) and dynamic shapes (a graph general in the lengths, as drafting needs:
+every step meets a new cache length). Where compiling does not beat eager, the drafter stays eager on the fast
+path; the verdict is measured here, per machine, not assumed.
 
     python -m specbook.draft_compile --json docs/bench/cpu_bf16_draft_compile.json
 """
@@ -27,7 +28,7 @@ METHOD_OF = {"medusa": "medusa", "eagle": "eagle2", "eagle3": "eagle3", "mtp": "
 def compiled_copy(module: torch.nn.Module, method: str = "forward", dynamic: bool = False) -> torch.nn.Module:
     """A copy of ``module`` (weights shared) whose ``method`` is torch.compile'd; the original stays eager."""
     twin = copy.copy(module)
-    twin._modules = dict(module._modules)  # same submodules, so the same weights
+    twin._modules = dict(module._modules)  # the same submodules (weights), in a dict the twin may change alone
     setattr(twin, method, torch.compile(getattr(module, method), dynamic=dynamic))
     return twin
 
@@ -82,14 +83,17 @@ def _cost(target, kind: str, net, vocab, context: int) -> float:
         h = torch.zeros(W.shape[1], dtype=W.dtype, device=W.device)
         with torch.inference_mode():
             return median_seconds(lambda: (net(h) @ W.T).topk(10, dim=-1))
+    from .bench import EagleSettings
+
+    top_k = EagleSettings().top_k  # the tree nodes per draft forward the bench's EAGLE methods expand
     if kind == "eagle":
         from .drafters.eagle import measure_draft_cost
 
-        return measure_draft_cost(target, net, vocab, top_k=8, context=context)
+        return measure_draft_cost(target, net, vocab, top_k=top_k, context=context)
     if kind == "eagle3":
         from .drafters.eagle3 import Eagle3Drafter
 
-        return Eagle3Drafter(target, net, top_k=8).measure_draft_cost(context=context)
+        return Eagle3Drafter(target, net, top_k=top_k).measure_draft_cost(context=context)
     if kind == "mtp":
         from .drafters.mtp import measure_module_cost
 
