@@ -205,11 +205,16 @@ class FastStats:
     warmup_s: dict = field(default_factory=dict)  # "bucket[+hidden][+keepN]" -> seconds of its compiling calls
     built: set = field(default_factory=set)  # (graph key, cache capacity) pairs compiled so far
 
+    @property
+    def warmup_total_s(self) -> float:
+        """Seconds spent compiling so far, all graphs."""
+        return sum(self.warmup_s.values())
+
     def as_json(self) -> dict:
         return {"compiled_calls": self.compiled_calls, "eager_calls": self.eager_calls, "fallbacks": self.fallbacks,
                 "recompiles": self.recompiles,
                 "warmup_s": {k: round(v, 2) for k, v in self.warmup_s.items()},
-                "warmup_total_s": round(sum(self.warmup_s.values()), 2), "capacities": sorted({w for _, w in self.built})}
+                "warmup_total_s": round(self.warmup_total_s, 2), "capacities": sorted({w for _, w in self.built})}
 
 
 def allowed_mask(n: int, past: int, width: int, batch: int, attention_mask: torch.Tensor | None,

@@ -534,7 +534,7 @@ class _Loop:
         self.hidden = bool(drafter is not None and pol.drafts and drafter.needs_hidden)
         self.capacity = capacity
         self.kv = PackedCache(target, capacity)
-        self._compiled0 = sum(target.stats.warmup_s.values()) if capacity is not None else 0.0
+        self._compiled0 = target.stats.warmup_total_s if capacity is not None else 0.0
         self.ctx = context_length(target)
         self.running: list[Running] = []
         self.results: list[RequestResult] = []
@@ -543,7 +543,7 @@ class _Loop:
 
     def compiled_s(self) -> float:
         """Seconds this call's FastTarget has spent compiling so far (since the loop began)."""
-        return sum(self.target.stats.warmup_s.values()) - self._compiled0 if self.capacity is not None else 0.0
+        return self.target.stats.warmup_total_s - self._compiled0 if self.capacity is not None else 0.0
 
     def warm_up(self, concurrency: int) -> float:
         """A compiled FastTarget's graphs for this row's width, built before the clock starts (none once built:
