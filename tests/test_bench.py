@@ -64,10 +64,12 @@ def test_step_split_by_hand():
 
 
 def test_monotone_latency_by_hand():
-    # a measured curve with 8 tokens slower than 16: the dip is raised, nothing else moves
+    # 8 tokens measured slower than 16: noise only adds time, and 8 padded to 16 costs 54.7, so 8 is lowered
     lat = {1: 45.8, 2: 49.9, 4: 49.9, 8: 55.7, 16: 54.7, 32: 63.6}
-    assert roofline.monotone_latency(lat) == {1: 45.8, 2: 49.9, 4: 49.9, 8: 55.7, 16: 55.7, 32: 63.6}
-    assert roofline.monotone_latency({4: 2.0, 1: 3.0}) == {1: 3.0, 4: 3.0}  # keys in any order
+    assert roofline.monotone_latency(lat) == {1: 45.8, 2: 49.9, 4: 49.9, 8: 54.7, 16: 54.7, 32: 63.6}
+    # one slow point at a small k moves nothing after it (a running maximum would lift 4 and 8 to 60)
+    assert roofline.monotone_latency({1: 40.0, 2: 60.0, 4: 42.0, 8: 44.0}) == {1: 40.0, 2: 42.0, 4: 42.0, 8: 44.0}
+    assert list(roofline.monotone_latency({4: 2.0, 1: 3.0}).items()) == [(1, 2.0), (4, 2.0)]  # keys in any order
 
 
 @pytest.mark.slow

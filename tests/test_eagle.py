@@ -499,3 +499,32 @@ def test_real_model_eagle_greedy_equals_ar(real):
         taus.append(sp.stats.tau)
     print("mean tau", sum(taus) / len(taus))
     assert sum(taus) / len(taus) > 1.5
+
+
+def test_warm_start_copies_a_checkpoint_and_refuses_another_head(tmp_path, tiny, tiny_feature_batch, fit):
+    """Continued training starts from exactly the checkpoint's weights; a checkpoint of another head config or
+    vocabulary is refused, not reshaped."""
+    from specbook.models import fingerprint
+    from specbook.training import CheckpointError, save_checkpoint, warm_start
+
+    vocab = torch.arange(0, tiny.config.vocab_size, 2)
+    trained = EagleObjective(tiny, vocab=vocab)
+    fit(trained, tiny_feature_batch, lr=3e-3)
+    card = {"kind": "eagle", "config": trained.card_config(), "target": "tiny", "target_fingerprint": fingerprint(tiny),
+            "steps": 40, "corpus_sha": "abc"}
+    save_checkpoint(tmp_path / "e", trained.state(), card, dtype=torch.float32)
+
+    fresh = EagleObjective(tiny, vocab=vocab)
+    assert not torch.equal(fresh.state()["fc.weight"], trained.state()["fc.weight"])
+    init = warm_start(fresh, tmp_path / "e", tiny)
+    assert init["steps"] == 40 and init["corpus_sha"] == "abc" and len(init["weights_sha256"]) == 64
+    for k, v in trained.state().items():
+        assert torch.equal(fresh.state()[k], v), k
+    assert fresh.evaluate(tiny_feature_batch, topk=3) == trained.evaluate(tiny_feature_batch, topk=3)
+
+    with pytest.raises(CheckpointError, match="config"):
+        warm_start(EagleObjective(tiny, vocab=vocab, noise=0.3), tmp_path / "e", tiny)
+    with pytest.raises(CheckpointError, match="config|vocabulary"):  # vocab size is in the config
+        warm_start(EagleObjective(tiny, vocab=torch.arange(0, tiny.config.vocab_size, 3)), tmp_path / "e", tiny)
+    with pytest.raises(CheckpointError, match="vocabulary"):  # same size, other tokens
+        warm_start(EagleObjective(tiny, vocab=vocab + 1), tmp_path / "e", tiny)

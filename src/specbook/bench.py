@@ -427,8 +427,8 @@ def _hf_lookup(ctx: BenchContext, ids, mask, gen) -> RunStats:
 
 def measure_latency(model) -> dict[int, float]:
     """The target's forward latency curve {k tokens: seconds} at a 256-token context (what "auto" trees use):
-    best of 5 per k, made non-decreasing in k (a forward over more tokens is not faster; a dip is timing
-    noise that would move the auto trees)."""
+    best of 5 per k, made non-decreasing in k by roofline.monotone_latency (out-of-order points are timing noise
+    that would move the auto trees)."""
     from .roofline import monotone_latency, profile_latency_vs_k
 
     return monotone_latency(profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64), context=256, repeats=5))
@@ -854,7 +854,8 @@ def checkpoints_json(ctx: BenchContext, method: str) -> dict:
     folder = ctx.settings.drafters.folder()
     shown = str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder)
     return {k: {"folder": shown, "corpus_sha": ctx.loaded.cards[k].get("corpus_sha"),
-                "corpus_records": ctx.loaded.cards[k].get("corpus_records"), "steps": ctx.loaded.cards[k].get("steps")}
+                "corpus_records": ctx.loaded.cards[k].get("corpus_records"), "steps": ctx.loaded.cards[k].get("steps"),
+                "init_steps": (ctx.loaded.cards[k].get("init") or {}).get("steps")}
             for k in CHECKPOINT_KINDS.get(parse_variant_base(method), ()) if k in ctx.loaded.cards}
 
 

@@ -168,13 +168,19 @@ def checkpoint_table(d: dict) -> str:
             ratios.append(", ".join(f"{x} {bt[x][0] / bt[x][1]:.2f}" for x in (b, a)))
     ck = d["settings"].get("checkpoints", {})
     read = list(dict.fromkeys(f"`{n}` read {c.get('folder')}/{k} (corpus {c.get('corpus_sha')}, {c.get('corpus_records')} "
-                              f"records, {c.get('steps')} steps)"
+                              f"records, {_steps_label(c)})"
                               for a, b in pairs for n in (a, b) for k, c in ck.get(n, {}).items()))
     return ("tau per category: each method with two sets of trained drafters, the one trained on the smaller corpus "
             "first (change = second / first - 1; the checkpoints each read are listed below the table).\n\n"
             + "\n".join(lines)
             + ("\n\ntau over the broad categories / over the template categories: " + "; ".join(ratios) if ratios else "")
             + (f"\n\n{'; '.join(read)}.\n" if read else "\n"))
+
+
+def _steps_label(c: dict) -> str:
+    """A checkpoint's training steps; a warm-started one shows the steps its starting weights had first."""
+    return (f"{c.get('steps')} steps, warm-started from a {c['init_steps']}-step checkpoint" if c.get("init_steps")
+            else f"{c.get('steps')} steps")
 
 
 def serving_section(name: str, d: dict) -> str:

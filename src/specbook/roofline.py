@@ -238,12 +238,16 @@ def profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: 
 
 
 def monotone_latency(latency: dict[int, float]) -> dict[int, float]:
-    """The curve with every point raised to the largest latency at fewer tokens (running maximum over k)."""
-    out, top = {}, 0.0
-    for k in sorted(latency):
-        top = max(top, latency[k])
-        out[k] = top
-    return out
+    """The curve made non-decreasing in k by lowering each point to the smallest latency at as many or more tokens
+    (a suffix minimum). Lowering, not raising: a forward over k tokens can always be padded to k' > k, so
+    latency(k) <= latency(k') is achievable; and timing noise only ever adds time, so of two points out of order
+    the higher one is the noisy one. A running maximum would instead carry one slow measurement at a small k
+    into every larger k."""
+    out, low = {}, math.inf
+    for k in sorted(latency, reverse=True):
+        low = min(low, latency[k])
+        out[k] = low
+    return dict(sorted(out.items()))
 
 
 def interp_latency(latency: dict[int, float], n: float) -> float:

@@ -64,8 +64,8 @@ CONFIDENCE_DRAFTERS = "DSpark (drafters.dflash.BlockDrafter on a checkpoint with
 
 @dataclass
 class StepCurve:
-    """Seconds of one target forward over B packed tokens, profiled once; non-decreasing in B (a dip is timing
-    noise: a forward over more tokens is not faster), piecewise-linear between the measured sizes, proportional
+    """Seconds of one target forward over B packed tokens, profiled once; made non-decreasing in B by
+    roofline.monotone_latency (B tokens can be padded to more), piecewise-linear between the measured sizes, proportional
     beyond the last. ``sps(B)`` = steps per second = 1 / seconds(B)."""
 
     seconds_by_size: dict[int, float]

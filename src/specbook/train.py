@@ -105,7 +105,7 @@ def run(method: str, args) -> dict:
     from .corpus import load_corpus
     from .features import load_or_build
     from .models import fingerprint, load_model, machine_info
-    from .training import TrainConfig, TrainData, load_checkpoint, save_checkpoint, train
+    from .training import TrainConfig, TrainData, load_checkpoint, save_checkpoint, train, warm_start
 
     if method not in METHODS:
         raise SystemExit(f"unknown method {method!r}; available: {sorted(METHODS)}")
@@ -128,12 +128,13 @@ def run(method: str, args) -> dict:
     del tgt16
     target, _ = load_model(args.target, dtype="fp32", device=args.device)
     obj = spec.build(target, **spec.cli_kwargs(args, corpus))
+    init = warm_start(obj, args.init, target) if args.init else None  # continued training: the card says from what
     cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
                       eval_every=args.eval_every, ckpt_every=args.eval_every, seed=args.seed)
     data = TrainData(corpus, store, seq_len=cfg.seq_len, seed=cfg.seed)
     from .models import cache_dir
 
-    cfg_key = hashlib.sha256(json.dumps([asdict(cfg), obj.card_config()], sort_keys=True).encode()).hexdigest()[:8]
+    cfg_key = hashlib.sha256(json.dumps([asdict(cfg), obj.card_config(), init], sort_keys=True).encode()).hexdigest()[:8]
     run_dir = cache_dir() / "runs" / f"{method}-{fingerprint(target)}-{corpus.sha}-{cfg_key}"
     res = train(obj, data, cfg, run_dir=run_dir, resume=not args.fresh)
     final = res.evals[-1]
@@ -141,7 +142,7 @@ def run(method: str, args) -> dict:
     card = {
         "kind": method, "config": obj.card_config(), "target": args.target, "target_fingerprint": fingerprint(target),
         "corpus_sha": corpus.sha, "corpus_records": len(corpus), "train_config": asdict(cfg), "steps": res.steps,
-        "heldout": final, **extra,
+        "heldout": final, **extra, **({"init": init} if init else {}),
         "evals": res.evals, "loss_curve": [h for h in res.history if h["step"] % 10 == 0 or h["step"] == 1],
         "train_seconds": round(res.seconds, 1), "machine": machine_info(),
         "command": "python -m specbook.train " + " ".join(sys.argv[1:]),
@@ -214,6 +215,9 @@ def main(argv=None):
     ap.add_argument("--features-for", default="",
                     help="build the corpus features for these methods' layers too (comma list, e.g. "
                          "eagle,eagle3,dflash): one pass of the target serves every later run of any of them")
+    ap.add_argument("--init", default=None,
+                    help="checkpoint path (no suffix) to continue training from: same method, target, head config and "
+                         "vocabulary; its steps and corpus go in the new card")
     ap.add_argument("--out", default=None, help="checkpoint path without suffix (default data/checkpoints/METHOD)")
     ap.add_argument("--force", action="store_true", help="replace the checkpoint even if held-out acceptance is worse")
     ap.add_argument("--fresh", action="store_true", help="ignore a resumable state from an interrupted run")

@@ -305,3 +305,34 @@ def load_checkpoint(path: str | Path, target=None, kind: str | None = None) -> t
     except Exception as e:  # safetensors raises several types for a damaged header
         raise CheckpointError(f"{st}: cannot be read ({e})") from e
     return state, card
+
+
+def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
+    """Start ``obj`` from a checkpoint's trained weights (continued training, e.g. on a wider corpus).
+
+    The checkpoint must be of obj's kind, for this target, with the same head config (``card_config``) and the
+    same tensors, the draft vocabulary included: a warm start never silently reshapes or drops a weight. Returns
+    what the new card records about it (path, weights sha, steps and corpus the weights had already seen)."""
+    state, card = load_checkpoint(path, target=target, kind=obj.kind)
+    mine = obj.state()
+    same_config = json.dumps(card.get("config"), sort_keys=True) == json.dumps(obj.card_config(), sort_keys=True)
+    if not same_config:
+        raise CheckpointError(f"{path} has config {card.get('config')}, this run builds {obj.card_config()}; "
+                              f"pass the settings the checkpoint was trained with (its command: {card.get('command')})")
+    if set(state) != set(mine):
+        raise CheckpointError(f"{path} holds tensors {sorted(set(state) ^ set(mine))} that this {obj.kind} head "
+                              f"does not, or lacks them")
+    if "vocab" in mine and not torch.equal(state["vocab"].cpu(), mine["vocab"].cpu()):
+        raise CheckpointError(f"{path} drafts from another vocabulary than this corpus's top tokens; warm-start "
+                              f"from a checkpoint trained on the same --vocab over the same corpus family")
+    params = obj.module.state_dict()
+    unknown = [k for k in mine if k != "vocab" and k not in params]
+    if unknown:
+        raise CheckpointError(f"{obj.kind}: tensors {unknown[:3]} of its state are not its module's; "
+                              f"this objective cannot be warm-started")
+    with torch.no_grad():
+        for k, v in state.items():
+            if k != "vocab":
+                params[k].copy_(v.to(params[k].dtype))
+    return {"path": str(path), "weights_sha256": card["weights_sha256"], "steps": card.get("steps"),
+            "corpus_sha": card.get("corpus_sha")}
