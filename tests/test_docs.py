@@ -137,8 +137,8 @@ def test_tour_summary_never_calls_smoke_figures_results(tmp_path, capsys):
 
 def test_checkpoint_table_compares_two_sets_of_drafters_per_category():
     """The results page's per-category table for ``M`` against ``M[checkpoints=F]``: tau per category, the change
-    from the drafters trained on the smaller corpus to those trained on the larger (whichever folder holds them),
-    and both pooled (tokens / forwards) over the template categories and over the broad ones."""
+    from the method's own drafters to the folder's (whatever each was trained on), and both pooled
+    (tokens / forwards) over the template categories and over the broad ones."""
     v = "eagle2[checkpoints=data/checkpoints/other]"
 
     def r(cat, m, tokens, forwards):
@@ -154,17 +154,15 @@ def test_checkpoint_table_compares_two_sets_of_drafters_per_category():
                                       v: card("data/checkpoints/other", "old", 1)}}}
     assert report.checkpoint_pairs(d) == [("eagle2", v, "data/checkpoints/other")]
     table = report.checkpoint_table(d)
-    assert f"| category | {v} | eagle2 | change |" in table  # the smaller corpus first
-    assert "| qa | 2.0 | 3.0 | +50.0% |" in table and "| code_fix | 1.0 | 2.0 | +100.0% |" in table
-    assert "| **template categories** (1) | 2.0 | 3.0 | +50.0% |" in table
-    assert "| **broad categories** (2) | 1.31 | 2.375 | +81.3% |" in table  # (100+90)/(100+45), (100+90)/(50+30)
-    assert f"eagle2 0.79, {v} 0.66" in table  # 2.375 / 3.0 and 1.31 / 2.0
-    assert "data/checkpoints/other/eagle (corpus old" in table and "(corpus new, 2 records" in table
-    # the larger corpus in the other folder: the pair turns round, the change still runs smaller -> larger
+    assert f"| category | eagle2 | {v} | change |" in table  # the method's own drafters first, the folder's second
+    assert "| qa | 3.0 | 2.0 | -33.3% |" in table and "| code_fix | 2.0 | 1.0 | -50.0% |" in table
+    assert "| **template categories** (1) | 3.0 | 2.0 | -33.3% |" in table
+    assert "| **broad categories** (2) | 2.375 | 1.31 | -44.8% |" in table  # (100+90)/(50+30), (100+90)/(100+45)
+    assert f"{v} 0.66, eagle2 0.79" in table  # 1.31 / 2.0 and 2.375 / 3.0
+    assert "data/checkpoints/other/eagle (corpus old, 1 records" in table and "(corpus new, 2 records" in table
+    # record counts do not turn the pair round (a spread subset of a larger corpus has fewer records)
     d["settings"]["checkpoints"] = {"eagle2": card("data/checkpoints", "old", 1), v: card("data/checkpoints/other", "new", 2)}
-    table = report.checkpoint_table(d)
-    assert f"| category | eagle2 | {v} | change |" in table
-    assert "| qa | 3.0 | 2.0 | -33.3% |" in table and "| **broad categories** (2) | 2.375 | 1.31 | -44.8% |" in table
+    assert f"| category | eagle2 | {v} | change |" in report.checkpoint_table(d)
     assert report.checkpoint_table({"rows": [{"method": "eagle2"}], "by_category": []}) == ""
     d["by_category"] = [x for x in rows if x["category"] == "qa"]  # template categories only: no empty broad row
     table = report.checkpoint_table(d)

@@ -120,27 +120,19 @@ def _tau(rows: list[dict]) -> float | None:
     return round(sum(r["new_tokens"] for r in rows) / forwards, 3) if forwards else None
 
 
-def _records(d: dict, name: str) -> int | None:
-    """How many corpus records the checkpoints a bench row read were trained on (the largest, if several)."""
-    rec = [c.get("corpus_records") for c in d["settings"].get("checkpoints", {}).get(name, {}).values()]
-    return max((r for r in rec if r is not None), default=None)
-
-
 def checkpoint_table(d: dict) -> str:
     """tau per category for each method against the same method reading another folder's checkpoints
-    (``checkpoint_pairs``): the pair ordered by the corpus each side was trained on (fewer records first; the
-    variant first when that is unknown or equal), the change from the first to the second in percent, and both
-    pooled over the template categories and over the broad ones (prompts.TEMPLATE_CATEGORIES)."""
+    (``checkpoint_pairs``): the method's own drafters first, the folder's second (the retrained ones), the change
+    from the first to the second in percent, and both pooled over the template categories and over the broad ones
+    (prompts.TEMPLATE_CATEGORIES). Record counts do not order the pair: a drafter trained on a spread subset of a
+    larger corpus has fewer records than one trained on all of a smaller corpus."""
     from .prompts import TEMPLATE_CATEGORIES
 
     found = checkpoint_pairs(d)
     cats = sorted({r["category"] for r in d.get("by_category", [])}, key=category_key)
     if not found or not cats:
         return ""
-    pairs = []  # (smaller corpus, larger corpus)
-    for m, v, _ in found:
-        rm, rv = _records(d, m), _records(d, v)
-        pairs.append((m, v) if rm is not None and rv is not None and rm < rv else (v, m))
+    pairs = [(m, v) for m, v, _ in found]  # (the method's own drafters, the folder's)
     by = {(r["category"], r["method"]): r for r in d["by_category"]}
     head = "| category |" + "".join(f" {a} | {b} | change |" for a, b in pairs)
     lines = [head, "|" + "---|" * (1 + 3 * len(pairs))]
@@ -170,8 +162,9 @@ def checkpoint_table(d: dict) -> str:
     read = list(dict.fromkeys(f"`{n}` read {c.get('folder')}/{k} (corpus {c.get('corpus_sha')}, {c.get('corpus_records')} "
                               f"records, {_steps_label(c)})"
                               for a, b in pairs for n in (a, b) for k, c in ck.get(n, {}).items()))
-    return ("tau per category: each method with two sets of trained drafters, the one trained on the smaller corpus "
-            "first (change = second / first - 1; the checkpoints each read are listed below the table).\n\n"
+    return ("tau per category: each method with two sets of trained drafters, its own (data/checkpoints) first and "
+            "then those of another folder (change = second / first - 1; the checkpoints each read, with the corpus "
+            "each was trained on, are listed below the table).\n\n"
             + "\n".join(lines)
             + ("\n\ntau over the broad categories / over the template categories: " + "; ".join(ratios) if ratios else "")
             + (f"\n\n{'; '.join(read)}.\n" if read else "\n"))
