@@ -304,3 +304,21 @@ def test_real_model_block_drafters_greedy_equal_ar(real):
         for net, th in ((nets[0], None), (nets[1], 0.2)):
             assert speculative_generate(model, BlockDrafter(model, net, threshold=th), ids,
                                         max_new_tokens=32).tokens[0] == ref
+
+def test_warm_start_refuses_a_markov_head_of_another_vocabulary(deep, tmp_path):
+    """DSpark's Markov head holds a row per draft token: a checkpoint over other tokens cannot be continued (the
+    rows would belong to other tokens), while the same vocabulary warm-starts every tensor."""
+    from specbook.training import warm_start
+
+    net = _net(deep, rank=8, confidence=True)
+    trained = DSparkObjective(deep, net.vocab, gamma=4, layers=2, anchors=1, markov_rank=8)
+    trained.net.load_state_dict(net.state_dict())
+    card = {"kind": "dspark", "config": trained.card_config(), "target": "tiny", "target_fingerprint": fingerprint(deep),
+            "steps": 5, "corpus_sha": "abc"}
+    save_checkpoint(tmp_path / "d", trained.state(), card, dtype=torch.float32)
+    same = DSparkObjective(deep, net.vocab, gamma=4, layers=2, anchors=1, markov_rank=8)
+    assert warm_start(same, tmp_path / "d", deep)["vocab_changed"] is False
+    assert all(torch.equal(same.state()[k], v) for k, v in trained.state().items())
+    other = DSparkObjective(deep, net.vocab + 1, gamma=4, layers=2, anchors=1, markov_rank=8)
+    with pytest.raises(CheckpointError, match="row per draft token"):
+        warm_start(other, tmp_path / "d", deep)

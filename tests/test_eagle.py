@@ -503,7 +503,8 @@ def test_real_model_eagle_greedy_equals_ar(real):
 
 def test_warm_start_copies_a_checkpoint_and_refuses_another_head(tmp_path, tiny, tiny_feature_batch, fit):
     """Continued training starts from exactly the checkpoint's weights; a checkpoint of another head config or
-    vocabulary is refused, not reshaped."""
+    vocabulary size is refused, not reshaped. Other tokens of the same count are taken: EAGLE's vocabulary only
+    picks rows of the target's frozen LM head, so every trained weight still fits."""
     from specbook.models import fingerprint
     from specbook.training import CheckpointError, save_checkpoint, warm_start
 
@@ -518,6 +519,7 @@ def test_warm_start_copies_a_checkpoint_and_refuses_another_head(tmp_path, tiny,
     assert not torch.equal(fresh.state()["fc.weight"], trained.state()["fc.weight"])
     init = warm_start(fresh, tmp_path / "e", tiny)
     assert init["steps"] == 40 and init["corpus_sha"] == "abc" and len(init["weights_sha256"]) == 64
+    assert init["vocab_changed"] is False
     for k, v in trained.state().items():
         assert torch.equal(fresh.state()[k], v), k
     assert fresh.evaluate(tiny_feature_batch, topk=3) == trained.evaluate(tiny_feature_batch, topk=3)
@@ -526,5 +528,6 @@ def test_warm_start_copies_a_checkpoint_and_refuses_another_head(tmp_path, tiny,
         warm_start(EagleObjective(tiny, vocab=vocab, noise=0.3), tmp_path / "e", tiny)
     with pytest.raises(CheckpointError, match="config|vocabulary"):  # vocab size is in the config
         warm_start(EagleObjective(tiny, vocab=torch.arange(0, tiny.config.vocab_size, 3)), tmp_path / "e", tiny)
-    with pytest.raises(CheckpointError, match="vocabulary"):  # same size, other tokens
-        warm_start(EagleObjective(tiny, vocab=vocab + 1), tmp_path / "e", tiny)
+    other = EagleObjective(tiny, vocab=vocab + 1)  # same size, other tokens: the trained weights, its own vocabulary
+    assert warm_start(other, tmp_path / "e", tiny)["vocab_changed"] is True
+    assert torch.equal(other.vocab, vocab + 1) and torch.equal(other.state()["fc.weight"], trained.state()["fc.weight"])

@@ -311,8 +311,11 @@ def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
     """Start ``obj`` from a checkpoint's trained weights (continued training, e.g. on a wider corpus).
 
     The checkpoint must be of obj's kind, for this target, with the same head config (``card_config``) and the
-    same tensors, the draft vocabulary included: a warm start never silently reshapes or drops a weight. Returns
-    what the new card records about it (path, weights sha, steps and corpus the weights had already seen)."""
+    same tensors: a warm start never silently reshapes or drops a weight. A draft vocabulary of the same size but
+    other tokens (the top tokens of another corpus) is taken only where no trained tensor is indexed by it, i.e. the
+    vocabulary just picks rows of the target's frozen LM head (EAGLE, Medusa, MTP, DFlash); a head with rows of its
+    own per draft token (DSpark's Markov head) is refused. Returns what the new card records about it (path,
+    weights sha, steps, the corpus the weights had already seen, whether the vocabulary changed)."""
     state, card = load_checkpoint(path, target=target, kind=obj.kind)
     mine = obj.state()
     same_config = json.dumps(card.get("config"), sort_keys=True) == json.dumps(obj.card_config(), sort_keys=True)
@@ -322,9 +325,12 @@ def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
     if set(state) != set(mine):
         raise CheckpointError(f"{path} holds tensors {sorted(set(state) ^ set(mine))} that this {obj.kind} head "
                               f"does not, or lacks them")
-    if "vocab" in mine and not torch.equal(state["vocab"].cpu(), mine["vocab"].cpu()):
-        raise CheckpointError(f"{path} drafts from another vocabulary than this corpus's top tokens; warm-start "
-                              f"from a checkpoint trained on the same --vocab over the same corpus family")
+    vocab_changed = "vocab" in mine and not torch.equal(state["vocab"].cpu(), mine["vocab"].cpu())
+    rows = [k for k, v in mine.items() if k != "vocab" and vocab_changed and len(mine["vocab"]) in v.shape]
+    if rows:
+        raise CheckpointError(f"{path} drafts from another vocabulary than this corpus's top tokens, and {rows[:3]} "
+                              f"hold a row per draft token; warm-start from a checkpoint trained on the same --vocab "
+                              f"over the same corpus family")
     params = obj.module.state_dict()
     unknown = [k for k in mine if k != "vocab" and k not in params]
     if unknown:
@@ -335,4 +341,4 @@ def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
             if k != "vocab":
                 params[k].copy_(v.to(params[k].dtype))
     return {"path": str(path), "weights_sha256": card["weights_sha256"], "steps": card.get("steps"),
-            "corpus_sha": card.get("corpus_sha")}
+            "corpus_sha": card.get("corpus_sha"), "vocab_changed": bool(vocab_changed)}
