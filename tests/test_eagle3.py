@@ -172,3 +172,22 @@ def test_real_model_eagle3_greedy_equals_ar(real):
         d = Eagle3Drafter(model, head, depth=4, top_k=4, total_tokens=8)
         assert speculative_generate(model, d, ids, max_new_tokens=32).tokens[0] == \
             generate(model, ids, max_new_tokens=32).tokens[0]
+
+
+def test_warm_start_refuses_another_draft_vocabulary(deep, tmp_path):
+    """EAGLE-3's LM head has a row per draft token (mapped by d2t): a checkpoint over other tokens cannot be
+    continued; the same vocabulary warm-starts every tensor."""
+    from specbook.models import fingerprint
+    from specbook.training import warm_start
+
+    trained = Eagle3Objective(deep, torch.arange(0, 48, 2), ttt_steps=2)
+    card = {"kind": "eagle3", "config": trained.card_config(), "target": "tiny", "target_fingerprint": fingerprint(deep),
+            "steps": 5, "corpus_sha": "abc"}
+    save_checkpoint(tmp_path / "e3", trained.state(), card, dtype=torch.float32)
+    same = Eagle3Objective(deep, torch.arange(0, 48, 2), ttt_steps=2)
+    with torch.no_grad():
+        same.head.fc.weight.zero_()
+    assert warm_start(same, tmp_path / "e3", deep)["vocab_changed"] is False
+    assert all(torch.equal(same.state()[k], v) for k, v in trained.state().items())
+    with pytest.raises(CheckpointError, match="row per draft token"):
+        warm_start(Eagle3Objective(deep, torch.arange(1, 48, 2), ttt_steps=2), tmp_path / "e3", deep)

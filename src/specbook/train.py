@@ -217,7 +217,7 @@ def main(argv=None):
                          "eagle,eagle3,dflash): one pass of the target serves every later run of any of them")
     ap.add_argument("--init", default=None,
                     help="checkpoint path (no suffix) to continue training from: same method, target, head config and "
-                         "vocabulary; its steps and corpus go in the new card")
+                         "draft-vocabulary size (see training.warm_start); its steps and corpus go in the new card")
     ap.add_argument("--out", default=None, help="checkpoint path without suffix (default data/checkpoints/METHOD)")
     ap.add_argument("--force", action="store_true", help="replace the checkpoint even if held-out acceptance is worse")
     ap.add_argument("--fresh", action="store_true", help="ignore a resumable state from an interrupted run")

@@ -314,8 +314,9 @@ def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
     same tensors: a warm start never silently reshapes or drops a weight. A draft vocabulary of the same size but
     other tokens (the top tokens of another corpus) is taken only where no trained tensor is indexed by it, i.e. the
     vocabulary just picks rows of the target's frozen LM head (EAGLE, Medusa, MTP, DFlash); a head with rows of its
-    own per draft token (DSpark's Markov head) is refused. Returns what the new card records about it (path,
-    weights sha, steps, the corpus the weights had already seen, whether the vocabulary changed)."""
+    own per draft token (DSpark's Markov head, EAGLE-3's LM head over its d2t vocabulary) is refused. Returns what
+    the new card records about it (path, weights sha, steps, the corpus the weights had already seen, whether the
+    vocabulary changed)."""
     state, card = load_checkpoint(path, target=target, kind=obj.kind)
     mine = obj.state()
     same_config = json.dumps(card.get("config"), sort_keys=True) == json.dumps(obj.card_config(), sort_keys=True)
@@ -325,8 +326,10 @@ def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
     if set(state) != set(mine):
         raise CheckpointError(f"{path} holds tensors {sorted(set(state) ^ set(mine))} that this {obj.kind} head "
                               f"does not, or lacks them")
-    vocab_changed = "vocab" in mine and not torch.equal(state["vocab"].cpu(), mine["vocab"].cpu())
-    rows = [k for k, v in mine.items() if k != "vocab" and vocab_changed and len(mine["vocab"]) in v.shape]
+    index = [k for k, v in mine.items() if not v.is_floating_point()]  # the draft vocabulary: vocab, or d2t / t2d
+    vocab_changed = any(not torch.equal(state[k].cpu(), mine[k].cpu()) for k in index)
+    sizes = {len(mine[k]) for k in index}
+    rows = [k for k, v in mine.items() if k not in index and vocab_changed and sizes & set(v.shape)]
     if rows:
         raise CheckpointError(f"{path} drafts from another vocabulary than this corpus's top tokens, and {rows[:3]} "
                               f"hold a row per draft token; warm-start from a checkpoint trained on the same --vocab "
@@ -338,7 +341,7 @@ def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
                               f"this objective cannot be warm-started")
     with torch.no_grad():
         for k, v in state.items():
-            if k != "vocab":
+            if k not in index:  # the vocabulary stays this run's
                 params[k].copy_(v.to(params[k].dtype))
     return {"path": str(path), "weights_sha256": card["weights_sha256"], "steps": card.get("steps"),
             "corpus_sha": card.get("corpus_sha"), "vocab_changed": bool(vocab_changed)}
