@@ -163,6 +163,8 @@ def test_checkpoint_table_compares_two_sets_of_drafters_per_category():
     # record counts do not turn the pair round (a spread subset of a larger corpus has fewer records)
     d["settings"]["checkpoints"] = {"eagle2": card("data/checkpoints", "old", 1), v: card("data/checkpoints/other", "new", 2)}
     assert f"| category | eagle2 | {v} | change |" in report.checkpoint_table(d)
+    d["settings"]["checkpoints"]["eagle2"]["eagle"]["corpus_records"] = None  # a card older than the field
+    assert "(corpus old, record count not on its card, 8 steps)" in report.checkpoint_table(d)
     assert report.checkpoint_table({"rows": [{"method": "eagle2"}], "by_category": []}) == ""
     d["by_category"] = [x for x in rows if x["category"] == "qa"]  # template categories only: no empty broad row
     table = report.checkpoint_table(d)

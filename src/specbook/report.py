@@ -159,8 +159,8 @@ def checkpoint_table(d: dict) -> str:
         if all(x and y for x, y in bt.values()):
             ratios.append(", ".join(f"{x} {bt[x][0] / bt[x][1]:.2f}" for x in (b, a)))
     ck = d["settings"].get("checkpoints", {})
-    read = list(dict.fromkeys(f"`{n}` read {c.get('folder')}/{k} (corpus {c.get('corpus_sha')}, {c.get('corpus_records')} "
-                              f"records, {_steps_label(c)})"
+    read = list(dict.fromkeys(f"`{n}` read {c.get('folder')}/{k} (corpus {c.get('corpus_sha')}, {_records_label(c)}, "
+                              f"{_steps_label(c)})"
                               for a, b in pairs for n in (a, b) for k, c in ck.get(n, {}).items()))
     return ("tau per category: each method with two sets of trained drafters, its own (data/checkpoints) first and "
             "then those of another folder (change = second / first - 1; the checkpoints each read, with the corpus "
@@ -168,6 +168,11 @@ def checkpoint_table(d: dict) -> str:
             + "\n".join(lines)
             + ("\n\ntau over the broad categories / over the template categories: " + "; ".join(ratios) if ratios else "")
             + (f"\n\n{'; '.join(read)}.\n" if read else "\n"))
+
+
+def _records_label(c: dict) -> str:
+    """A checkpoint's corpus record count, or that its card does not say (cards older than the field)."""
+    return f"{c['corpus_records']} records" if c.get("corpus_records") is not None else "record count not on its card"
 
 
 def _steps_label(c: dict) -> str:
