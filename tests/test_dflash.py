@@ -305,6 +305,7 @@ def test_real_model_block_drafters_greedy_equal_ar(real):
             assert speculative_generate(model, BlockDrafter(model, net, threshold=th), ids,
                                         max_new_tokens=32).tokens[0] == ref
 
+
 def test_warm_start_refuses_a_markov_head_of_another_vocabulary(deep, tmp_path):
     """DSpark's Markov head holds a row per draft token: a checkpoint over other tokens cannot be continued (the
     rows would belong to other tokens), while the same vocabulary warm-starts every tensor."""

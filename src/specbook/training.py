@@ -329,13 +329,13 @@ def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
     index = [k for k, v in mine.items() if not v.is_floating_point()]  # the draft vocabulary: vocab, or d2t / t2d
     vocab_changed = any(not torch.equal(state[k].cpu(), mine[k].cpu()) for k in index)
     sizes = {len(mine[k]) for k in index}
-    rows = [k for k, v in mine.items() if k not in index and vocab_changed and sizes & set(v.shape)]
+    rows = [k for k, v in mine.items() if k not in index and sizes & set(v.shape)] if vocab_changed else []
     if rows:
         raise CheckpointError(f"{path} drafts from another vocabulary than this corpus's top tokens, and {rows[:3]} "
                               f"hold a row per draft token; warm-start from a checkpoint trained on the same --vocab "
                               f"over the same corpus family")
     params = obj.module.state_dict()
-    unknown = [k for k in mine if k != "vocab" and k not in params]
+    unknown = [k for k in mine if k not in index and k not in params]
     if unknown:
         raise CheckpointError(f"{obj.kind}: tensors {unknown[:3]} of its state are not its module's; "
                               f"this objective cannot be warm-started")
