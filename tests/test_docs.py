@@ -159,6 +159,7 @@ def test_checkpoint_table_compares_two_sets_of_drafters_per_category():
     assert "| **template categories** (1) | 3.0 | 2.0 | -33.3% |" in table
     assert "| **broad categories** (2) | 2.375 | 1.31 | -44.8% |" in table  # (100+90)/(50+30), (100+90)/(100+45)
     assert f"{v} 0.66, eagle2 0.79" in table  # 1.31 / 2.0 and 2.375 / 3.0
+    assert f"worst per-category change, second against first: {v} code_fix -50.0%" in table
     assert "data/checkpoints/other/eagle (corpus old, 1 records" in table and "(corpus new, 2 records" in table
     # record counts do not turn the pair round (a spread subset of a larger corpus has fewer records)
     d["settings"]["checkpoints"] = {"eagle2": card("data/checkpoints", "old", 1), v: card("data/checkpoints/other", "new", 2)}

@@ -124,7 +124,7 @@ def checkpoint_table(d: dict) -> str:
     """tau per category for each method against the same method reading another folder's checkpoints
     (``checkpoint_pairs``): the method's own drafters first, the folder's second (the retrained ones), the change
     from the first to the second in percent, and both pooled over the template categories and over the broad ones
-    (prompts.TEMPLATE_CATEGORIES). Record counts do not order the pair: a drafter trained on a spread subset of a
+    (prompts.TEMPLATE_CATEGORIES), and each pair's worst category. Record counts do not order the pair: a drafter trained on a spread subset of a
     larger corpus has fewer records than one trained on all of a smaller corpus."""
     from .prompts import TEMPLATE_CATEGORIES
 
@@ -158,6 +158,12 @@ def checkpoint_table(d: dict) -> str:
         bt = {x: (pooled(x, broad), pooled(x, template)) for x in (b, a)}
         if all(x and y for x, y in bt.values()):
             ratios.append(", ".join(f"{x} {bt[x][0] / bt[x][1]:.2f}" for x in (b, a)))
+    worst = []  # the issue's bar: no category may lose more than a few percent to the retrained drafters
+    for a, b in pairs:
+        changes = [(pooled(b, [c]) / pooled(a, [c]) - 1, c) for c in cats if pooled(a, [c]) and pooled(b, [c])]
+        if changes:
+            loss, cat = min(changes)
+            worst.append(f"{b} {cat} {100 * loss:+.1f}%")
     ck = d["settings"].get("checkpoints", {})
     read = list(dict.fromkeys(f"`{n}` read {c.get('folder')}/{k} (corpus {c.get('corpus_sha')}, {_records_label(c)}, "
                               f"{_steps_label(c)})"
@@ -167,6 +173,7 @@ def checkpoint_table(d: dict) -> str:
             "each was trained on, are listed below the table).\n\n"
             + "\n".join(lines)
             + ("\n\ntau over the broad categories / over the template categories: " + "; ".join(ratios) if ratios else "")
+            + ("\n\nworst per-category change, second against first: " + "; ".join(worst) if worst else "")
             + (f"\n\n{'; '.join(read)}.\n" if read else "\n"))
 
 
