@@ -124,8 +124,8 @@ def checkpoint_table(d: dict) -> str:
     """tau per category for each method against the same method reading another folder's checkpoints
     (``checkpoint_pairs``): the method's own drafters first, the folder's second (the retrained ones), the change
     from the first to the second in percent, and both pooled over the template categories and over the broad ones
-    (prompts.TEMPLATE_CATEGORIES), and each pair's worst category. Record counts do not order the pair: a drafter trained on a spread subset of a
-    larger corpus has fewer records than one trained on all of a smaller corpus."""
+    (prompts.TEMPLATE_CATEGORIES), and each pair's worst category. Record counts do not order the pair: a drafter
+    trained on a spread subset of a larger corpus has fewer records than one trained on all of a smaller corpus."""
     from .prompts import TEMPLATE_CATEGORIES
 
     found = checkpoint_pairs(d)
