@@ -172,6 +172,55 @@ def test_checkpoint_table_compares_two_sets_of_drafters_per_category():
     assert "**template categories** (1)" in table and "broad categories" not in table
 
 
+def test_change_interval_is_a_paired_bootstrap_over_prompts():
+    """The bracketed interval beside a per-category change: prompts resampled within each category, both methods on
+    the same draw. Checked where the answer is known: a method that equals the other on every prompt has the
+    interval [0, 0]; one whose tau is twice the other's on every prompt has [+100%, +100%], whatever the draw; a
+    change that flips sign between prompts spans zero; a run without per-prompt counts gets no interval."""
+    v = "medusa[checkpoints=x]"
+
+    def run(old, new, cats):
+        return {"by_prompt": {"categories": cats, "methods": {
+            "medusa": {"new_tokens": [t for t, _ in old], "target_forwards": [f for _, f in old]},
+            v: {"new_tokens": [t for t, _ in new], "target_forwards": [f for _, f in new]}}}}
+
+    same = [(30, 10), (50, 40), (20, 20)]
+    assert report.change_interval(run(same, same, ["qa"] * 3), "medusa", v, ["qa"]) == (0.0, 0.0)
+    double = [(60, 10), (100, 40), (40, 20)]
+    lo, hi = report.change_interval(run(same, double, ["qa"] * 3), "medusa", v, ["qa"])
+    assert lo == pytest.approx(1.0) and hi == pytest.approx(1.0)
+    mixed = [(60, 10), (25, 40), (20, 20)]  # better on one prompt, worse on another
+    lo, hi = report.change_interval(run(same, mixed, ["qa"] * 3), "medusa", v, ["qa"])
+    assert lo < 0 < hi
+    # a pooled group resamples each category on its own: a category of one prompt is always in the draw
+    d = run(same + [(10, 10)], mixed + [(10, 10)], ["qa"] * 3 + ["rag"])
+    assert report.change_interval(d, "medusa", v, ["rag"]) == (0.0, 0.0)
+    assert report.change_interval(d, "medusa", v, ["translation"]) is None  # no prompts of it
+    assert report.change_interval({}, "medusa", v, ["qa"]) is None
+    assert report._change_cell(2.0, 1.5, (-0.4, -0.1)) == "-25.0% [-40, -10]"
+
+
+def test_checkpoint_table_names_the_losses_beyond_noise():
+    """With per-prompt counts, each change gets its interval, and a category is named as losing more than 5% only
+    when its whole interval lies below -5%."""
+    v = "medusa[checkpoints=x]"
+    cats = ["qa"] * 3 + ["rag"] * 3
+    old = [(30, 10)] * 3 + [(30, 10), (30, 10), (30, 10)]
+    new = [(15, 10)] * 3 + [(45, 10), (15, 10), (30, 10)]  # qa: -50% on every prompt; rag: -50%..+50%, pooled 0%
+    rows = [{"category": c, "method": m, "new_tokens": sum(t for (t, _), k in zip(x, cats) if k == c),
+             "target_forwards": sum(f for (_, f), k in zip(x, cats) if k == c)}
+            for c in ("qa", "rag") for m, x in (("medusa", old), (v, new))]
+    d = {"rows": [{"method": m} for m in ("ar", "medusa", v)], "by_category": rows, "settings": {},
+         "by_prompt": {"categories": cats, "methods": {
+             m: {"new_tokens": [t for t, _ in x], "target_forwards": [f for _, f in x]} for m, x in (("medusa", old), (v, new))}}}
+    table = report.checkpoint_table(d)
+    assert "| qa | 3.0 | 1.5 | -50.0% [-50, -50] |" in table
+    assert "| rag | 3.0 | 3.0 | +0.0% [" in table
+    assert f"whose whole interval lies below -5%: {v} qa -50.0% [-50, -50]" in table
+    del d["by_prompt"]
+    assert "| qa | 3.0 | 1.5 | -50.0% |" in report.checkpoint_table(d) and "interval" not in report.checkpoint_table(d)
+
+
 def test_template_categories_are_the_template_sets():
     from specbook.prompts import TEMPLATE_CATEGORIES, build
 

@@ -1,4 +1,5 @@
 """EAGLE / EAGLE-2: dynamic tree builder, losslessness, greedy parity, draft-cache consistency, checkpoints."""
+import argparse
 import math
 
 import pytest
@@ -531,3 +532,48 @@ def test_warm_start_copies_a_checkpoint_and_refuses_another_head(tmp_path, tiny,
     other = EagleObjective(tiny, vocab=vocab + 1)  # same size, other tokens: the trained weights, its own vocabulary
     assert warm_start(other, tmp_path / "e", tiny)["vocab_changed"] is True
     assert torch.equal(other.vocab, vocab + 1) and torch.equal(other.state()["fc.weight"], trained.state()["fc.weight"])
+
+
+def test_interpolate_mixes_a_checkpoint_and_its_continuation_only(tmp_path, tiny, tiny_feature_batch, fit):
+    """WiSE-FT between a checkpoint and one warm-started from it: every trained weight is exactly
+    (1 - alpha) * start + alpha * end (alpha 0 and 1 give the ends back); the draft vocabulary stays the run's. A
+    pair that is not a checkpoint and its own continuation is refused, and so is an alpha outside [0, 1]."""
+    from specbook.models import fingerprint
+    from specbook.train import _fit
+    from specbook.training import CheckpointError, interpolate, save_checkpoint, warm_start
+
+    vocab = torch.arange(0, tiny.config.vocab_size, 2)
+
+    def card(obj, **kw):
+        return {"kind": "eagle", "config": obj.card_config(), "target": "tiny", "target_fingerprint": fingerprint(tiny),
+                "steps": 20, "corpus_sha": "abc", **kw}
+
+    start = EagleObjective(tiny, vocab=vocab)
+    fit(start, tiny_feature_batch, lr=3e-3, steps=20)
+    save_checkpoint(tmp_path / "a", start.state(), card(start), dtype=torch.float32)
+    end = EagleObjective(tiny, vocab=vocab + 1)  # continued on another corpus: other top tokens
+    init = warm_start(end, tmp_path / "a", tiny)
+    fit(end, tiny_feature_batch, lr=3e-3, steps=20)
+    save_checkpoint(tmp_path / "b", end.state(), card(end, init=init), dtype=torch.float32)
+    A, B = start.state(), end.state()
+    for alpha in (0.0, 0.3, 1.0):
+        mixed = EagleObjective(tiny, vocab=vocab + 1)
+        mix = interpolate(mixed, tmp_path / "a", tmp_path / "b", alpha, tiny)
+        assert mix["alpha"] == alpha and mix["start"]["path"] == str(tmp_path / "a")
+        assert mix["end"]["weights_sha256"] != mix["start"]["weights_sha256"]
+        for k, v in mixed.state().items():
+            want = B[k] if not v.is_floating_point() else torch.lerp(A[k], B[k], alpha)
+            assert torch.equal(v, want), (alpha, k)
+    assert torch.equal(mixed.state()["fc.weight"], B["fc.weight"]) and not torch.equal(B["fc.weight"], A["fc.weight"])
+
+    with pytest.raises(CheckpointError, match="not warm-started from"):  # the wrong way round
+        interpolate(EagleObjective(tiny, vocab=vocab), tmp_path / "b", tmp_path / "a", 0.5, tiny)
+    other = EagleObjective(tiny, vocab=vocab + 1)  # trained apart: no shared path
+    fit(other, tiny_feature_batch, lr=3e-3, steps=5)
+    save_checkpoint(tmp_path / "c", other.state(), card(other), dtype=torch.float32)
+    with pytest.raises(CheckpointError, match="not warm-started from"):
+        interpolate(EagleObjective(tiny, vocab=vocab + 1), tmp_path / "a", tmp_path / "c", 0.5, tiny)
+    with pytest.raises(ValueError, match=r"alpha must be in \[0, 1\]"):
+        interpolate(EagleObjective(tiny, vocab=vocab + 1), tmp_path / "a", tmp_path / "b", 1.5, tiny)
+    with pytest.raises(SystemExit, match="needs --init"):
+        _fit("eagle", None, argparse.Namespace(interpolate=str(tmp_path / "a"), init=None), None, None, tiny)

@@ -120,5 +120,11 @@ def test_bench_runs_self_speculation_against_the_toys_own_ar():
                           model=m.lm, tokenizer=tt, max_new_tokens=8, progress=False, loaded=bench.Loaded(toy=m))
     rows = {r["method"]: r for r in res["rows"]}
     assert rows["ar"]["tau"] == 1.0 and rows["self_spec"]["tau"] >= 1.0 and rows["self_spec"]["new_tokens"] > 0
+    bp = res["by_prompt"]  # each prompt's counts (what the results page's paired intervals resample), in prompt order
+    assert bp["categories"] == ["x", "y"]
+    for name in ("ar", "self_spec"):
+        cat = {r["category"]: r for r in res["by_category"] if r["method"] == name}
+        for k in ("new_tokens", "target_forwards"):
+            assert bp["methods"][name][k] == [cat["x"][k], cat["y"][k]] and sum(bp["methods"][name][k]) == rows[name][k]
     with pytest.raises(ValueError, match="toy MTP model"):
         bench.run_bench(["self_spec"], [{"turns": ["abc"]}], model=m.lm, tokenizer=tt, max_new_tokens=4, progress=False)

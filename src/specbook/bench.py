@@ -670,12 +670,13 @@ def _variant_ctx(ctx: BenchContext, name: str) -> tuple[MethodFn, BenchContext]:
 
 
 def _interleaved(runners: dict, methods: list[str], prompts: list[dict], encoded: list, repeats: int, seed: int,
-                 progress: bool) -> tuple[dict, dict, dict]:
+                 progress: bool) -> tuple[dict, dict, dict, dict]:
     """For each repeat, for each prompt, every method in a rotating order (so no method always runs first).
-    ``runners``: method name -> (function, context). -> totals per method, per (method, category), peak memory."""
+    ``runners``: method name -> (function, context). -> totals per method, per (method, category), per (method,
+    prompt index) (repeats summed: what a paired interval over prompts resamples), peak memory."""
     from tqdm.auto import tqdm
 
-    tot, cat, mem = defaultdict(_totals), defaultdict(_totals), {}
+    tot, cat, per, mem = defaultdict(_totals), defaultdict(_totals), defaultdict(_totals), {}
     ctx = runners[methods[0]][1]
     dev = ctx.model.device
     bar = tqdm(total=repeats * len(prompts) * len(methods), desc="bench", disable=not progress)
@@ -691,9 +692,20 @@ def _interleaved(runners: dict, methods: list[str], prompts: list[dict], encoded
                 mem[m] = max(mem.get(m, 0.0), _peak_mem_mb(dev))
                 _add(tot[m], s)
                 _add(cat[(m, p.get("category", ""))], s)
+                _add(per[(m, i)], s)
                 bar.update(1)
     bar.close()
-    return tot, cat, mem
+    return tot, cat, per, mem
+
+
+def by_prompt_json(per: dict, methods: list[str], prompts: list[dict]) -> dict:
+    """Each method's counts per prompt, in prompt order (lists parallel to ``categories``): enough to resample
+    prompts for an interval on any ratio of pooled counts (report.change_interval), never printed as a result."""
+    return {"categories": [p.get("category", "") for p in prompts],
+            "methods": {m: {"new_tokens": [per[m, i]["new_tokens"] for i in range(len(prompts))],
+                            "target_forwards": [per[m, i]["target_forwards"] for i in range(len(prompts))],
+                            "seconds": [round(per[m, i]["seconds"], 4) for i in range(len(prompts))]}
+                        for m in methods}}
 
 
 @method("eagle3", "EAGLE-3 head (data/checkpoints/eagle3: fused taps, draft vocabulary), EAGLE-2's dynamic tree, lossless")
@@ -855,7 +867,9 @@ def checkpoints_json(ctx: BenchContext, method: str) -> dict:
     shown = str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder)
     return {k: {"folder": shown, "corpus_sha": ctx.loaded.cards[k].get("corpus_sha"),
                 "corpus_records": ctx.loaded.cards[k].get("corpus_records"), "steps": ctx.loaded.cards[k].get("steps"),
-                "init_steps": (ctx.loaded.cards[k].get("init") or {}).get("steps")}
+                "init_steps": (ctx.loaded.cards[k].get("init") or {}).get("steps"),
+                **({"interpolated": {"alpha": mix["alpha"], "start_steps": mix["start"].get("steps")}}
+                   if (mix := ctx.loaded.cards[k].get("interpolated")) else {})}
             for k in CHECKPOINT_KINDS.get(parse_variant_base(method), ()) if k in ctx.loaded.cards}
 
 
@@ -909,7 +923,7 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                   progress=progress)
     for t in (drafts := fast_drafts(loaded)).values():  # the draft models' graphs too (every bucket a step can use)
         t.warm_up(progress=progress)
-    tot, cat, mem = _interleaved(runners, methods, prompts, encoded, repeats, seed, progress)
+    tot, cat, per, mem = _interleaved(runners, methods, prompts, encoded, repeats, seed, progress)
     base = tot["ar"]["new_tokens"] / tot["ar"]["seconds"]
     rows = [{**_row(m, tot[m], base), "peak_mem_mb": round(mem[m], 1)} for m in methods]
     by_cat = []
@@ -932,7 +946,7 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                                   **{name: t.stats.as_json() for name, t in drafts.items()}}}
                         if fast else {})},
         "rows": rows,
-        "by_category": by_cat,
+        "by_category": by_cat, "by_prompt": by_prompt_json(per, methods, prompts),
     }
 
 

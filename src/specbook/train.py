@@ -7,6 +7,7 @@
     python -m specbook.train eagle3 [--vocab 8192 --ttt-steps 7 ...]
     python -m specbook.train dflash [--vocab 8192 --gamma 7 --draft-layers 2 ...]
     python -m specbook.train dspark [--vocab 8192 --gamma 7 --draft-layers 2 ...]
+    python -m specbook.train METHOD --init END --interpolate START [--alpha 0.5]   (no training: WiSE-FT)
 
 Reads the committed self-distilled corpus (data/corpus), builds/reuses the target's feature
 cache, trains, and writes ``data/checkpoints/<method>.{safetensors,json}`` — but only replaces an
@@ -101,11 +102,33 @@ def feature_layers(methods: list[str], config) -> tuple[int, ...]:
     return tuple(dict.fromkeys(x for m in methods for x in METHODS[m].layers_for(config)))
 
 
+def _fit(method: str, obj, args, corpus, store, target):
+    """Train ``obj`` (from scratch, or on from --init's weights), or with --interpolate only mix two checkpoints
+    and evaluate held-out. -> (config, data, result, what the card records about where the weights came from)."""
+    from .models import cache_dir, fingerprint
+    from .training import TrainConfig, TrainData, TrainResult, evaluate, interpolate, train, warm_start
+
+    if args.interpolate and not args.init:
+        raise SystemExit("--interpolate START needs --init END: the checkpoint that was trained on from START")
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
+                      eval_every=args.eval_every, ckpt_every=args.eval_every, seed=args.seed)
+    data = TrainData(corpus, store, seq_len=cfg.seq_len, seed=cfg.seed)
+    if args.interpolate:  # no training: a point on the line from START to its continuation, evaluated held-out
+        mix = interpolate(obj, args.interpolate, args.init, args.alpha, target)
+        final = {"step": 0, **evaluate(obj, data, cfg, target.device)}  # steps: none of its own; its ends' in the card
+        return cfg, data, TrainResult(steps=0, evals=[final]), {
+            "init": mix["end"], "interpolated": {"start": mix["start"], "alpha": mix["alpha"]}}
+    init = warm_start(obj, args.init, target) if args.init else None  # continued training: the card says from what
+    cfg_key = hashlib.sha256(json.dumps([asdict(cfg), obj.card_config(), init], sort_keys=True).encode()).hexdigest()[:8]
+    run_dir = cache_dir() / "runs" / f"{method}-{fingerprint(target)}-{corpus.sha}-{cfg_key}"
+    return cfg, data, train(obj, data, cfg, run_dir=run_dir, resume=not args.fresh), ({"init": init} if init else {})
+
+
 def run(method: str, args) -> dict:
     from .corpus import load_corpus
     from .features import load_or_build
     from .models import fingerprint, load_model, machine_info
-    from .training import TrainConfig, TrainData, load_checkpoint, save_checkpoint, train, warm_start
+    from .training import load_checkpoint, save_checkpoint
 
     if method not in METHODS:
         raise SystemExit(f"unknown method {method!r}; available: {sorted(METHODS)}")
@@ -128,21 +151,13 @@ def run(method: str, args) -> dict:
     del tgt16
     target, _ = load_model(args.target, dtype="fp32", device=args.device)
     obj = spec.build(target, **spec.cli_kwargs(args, corpus))
-    init = warm_start(obj, args.init, target) if args.init else None  # continued training: the card says from what
-    cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
-                      eval_every=args.eval_every, ckpt_every=args.eval_every, seed=args.seed)
-    data = TrainData(corpus, store, seq_len=cfg.seq_len, seed=cfg.seed)
-    from .models import cache_dir
-
-    cfg_key = hashlib.sha256(json.dumps([asdict(cfg), obj.card_config(), init], sort_keys=True).encode()).hexdigest()[:8]
-    run_dir = cache_dir() / "runs" / f"{method}-{fingerprint(target)}-{corpus.sha}-{cfg_key}"
-    res = train(obj, data, cfg, run_dir=run_dir, resume=not args.fresh)
+    cfg, data, res, origin = _fit(method, obj, args, corpus, store, target)
     final = res.evals[-1]
     extra = obj.finalize(data) if hasattr(obj, "finalize") else {}  # e.g. DSpark's calibration
     card = {
         "kind": method, "config": obj.card_config(), "target": args.target, "target_fingerprint": fingerprint(target),
         "corpus_sha": corpus.sha, "corpus_records": len(corpus), "train_config": asdict(cfg), "steps": res.steps,
-        "heldout": final, **extra, **({"init": init} if init else {}),
+        "heldout": final, **extra, **origin,
         "evals": res.evals, "loss_curve": [h for h in res.history if h["step"] % 10 == 0 or h["step"] == 1],
         "train_seconds": round(res.seconds, 1), "machine": machine_info(),
         "command": "python -m specbook.train " + " ".join(sys.argv[1:]),
@@ -218,6 +233,11 @@ def main(argv=None):
     ap.add_argument("--init", default=None,
                     help="checkpoint path (no suffix) to continue training from: same method, target, head config and "
                          "draft-vocabulary size (see training.warm_start); its steps and corpus go in the new card")
+    ap.add_argument("--interpolate", default=None, metavar="START",
+                    help="no training: the weights (1 - alpha) * START + alpha * INIT, where --init was trained on from "
+                         "START (WiSE-FT; training.interpolate), evaluated on the held-out split and written as a "
+                         "checkpoint whose card names both")
+    ap.add_argument("--alpha", type=float, default=0.5, help="with --interpolate: 0 = START's weights, 1 = INIT's")
     ap.add_argument("--out", default=None, help="checkpoint path without suffix (default data/checkpoints/METHOD)")
     ap.add_argument("--force", action="store_true", help="replace the checkpoint even if held-out acceptance is worse")
     ap.add_argument("--fresh", action="store_true", help="ignore a resumable state from an interrupted run")

@@ -148,7 +148,9 @@ class TrainResult:
     seconds: float = 0.0
 
 
-def _evaluate(obj: Objective, data: TrainData, cfg: TrainConfig, device) -> dict:
+def evaluate(obj: Objective, data: TrainData, cfg: TrainConfig, device) -> dict:
+    """Held-out metrics: ``cfg.eval_batches`` batches of held-out windows drawn from a fixed seed (the same
+    windows at every evaluation of a run, and in any run with the same data and config)."""
     g = torch.Generator().manual_seed(cfg.seed + 999_983)
     acc: dict[str, list[float]] = {}
     obj.module.eval()
@@ -206,7 +208,7 @@ def train(obj: Objective, data: TrainData, cfg: TrainConfig, run_dir: Path | Non
         bar.set_postfix(loss=f"{res.history[-1]['loss']:.3f}")
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            ev = _evaluate(obj, data, cfg, device)
+            ev = evaluate(obj, data, cfg, device)
             res.evals.append({"step": done, **ev})
             bar.write(f"[{obj.kind}] step {done}: " + " ".join(f"{k}={v:.3f}" for k, v in ev.items()
                                                               if not k.startswith("acc_")))
@@ -345,3 +347,32 @@ def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
                 params[k].copy_(v.to(params[k].dtype))
     return {"path": str(path), "weights_sha256": card["weights_sha256"], "steps": card.get("steps"),
             "corpus_sha": card.get("corpus_sha"), "vocab_changed": bool(vocab_changed)}
+
+
+def interpolate(obj: Objective, start: str | Path, end: str | Path, alpha: float, target=None) -> dict:
+    """Weight-space ensembling along a fine-tuning path (WiSE-FT, Wortsman et al. 2022): ``obj``'s weights become
+    ``(1 - alpha) * start + alpha * end``, where ``end`` was warm-started from ``start`` (its card's ``init`` names
+    start's weights). Continued training on a wider corpus moves a head towards the new data and away from some of
+    what it knew; a point between the two keeps more of both, at no training cost. Only a checkpoint and its own
+    continuation are mixed: two heads trained apart share no path, and their average is not a head of either kind.
+
+    ``end`` is loaded by ``warm_start`` (kind, target, head config, tensors and vocabulary all checked there; the
+    vocabulary stays ``obj``'s own). Returns what the card records: both ends and alpha."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1] (0 = start's weights, 1 = end's), got {alpha}")
+    ends = {"end": warm_start(obj, end, target)}
+    a_state, a_card = load_checkpoint(start, target=target, kind=obj.kind)
+    _, b_card = load_checkpoint(end, target=target, kind=obj.kind)
+    if (b_card.get("init") or {}).get("weights_sha256") != a_card["weights_sha256"]:
+        raise CheckpointError(f"{end} was not warm-started from {start} (its card's init: {b_card.get('init')}); "
+                              f"interpolate a checkpoint with one trained on from it (`python -m specbook.train "
+                              f"{obj.kind} --init {start} ...`)")
+    ends["start"] = {"path": str(start), "weights_sha256": a_card["weights_sha256"], "steps": a_card.get("steps"),
+                     "corpus_sha": a_card.get("corpus_sha")}
+    index = {k for k, v in obj.state().items() if not v.is_floating_point()}  # the draft vocabulary stays obj's
+    params = obj.module.state_dict()
+    with torch.no_grad():
+        for k, v in a_state.items():
+            if k not in index:
+                params[k].copy_(torch.lerp(v.to(params[k].dtype), params[k], alpha))
+    return {**ends, "alpha": alpha}
