@@ -120,7 +120,7 @@ def _tau(rows: list[dict]) -> float | None:
     return round(sum(r["new_tokens"] for r in rows) / forwards, 3) if forwards else None
 
 
-LOSS_BAR = -0.05  # issue 23's bar: a retrained drafter may lose at most 5% tau in any category
+LOSS_BAR = -0.05  # the bar a retrained drafter is held to: at most 5% less tau in any category
 
 
 def change_interval(d: dict, a: str, b: str, group: list[str], draws: int = 2000, level: float = 0.95,
