@@ -190,7 +190,7 @@ def checkpoint_table(d: dict) -> str:
         bt = {x: (pooled(x, broad), pooled(x, template)) for x in (b, a)}
         if all(x and y for x, y in bt.values()):
             ratios.append(", ".join(f"{x} {bt[x][0] / bt[x][1]:.2f}" for x in (b, a)))
-    worst, beyond = [], []  # the bar: no category may lose more than 5% to the retrained drafters
+    worst, beyond = [], []  # each pair's worst category; the losses past LOSS_BAR beyond their interval
     for a, b in pairs:
         changes = [(pooled(b, [c]) / pooled(a, [c]) - 1, c) for c in cats if pooled(a, [c]) and pooled(b, [c])]
         if changes:

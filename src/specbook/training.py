@@ -361,8 +361,8 @@ def interpolate(obj: Objective, start: str | Path, end: str | Path, alpha: float
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1] (0 = start's weights, 1 = end's), got {alpha}")
     ends = {"end": warm_start(obj, end, target)}
+    b_card = json.loads(Path(end).with_suffix(".json").read_text())  # warm_start has just verified it and its weights
     a_state, a_card = load_checkpoint(start, target=target, kind=obj.kind)
-    _, b_card = load_checkpoint(end, target=target, kind=obj.kind)
     if (b_card.get("init") or {}).get("weights_sha256") != a_card["weights_sha256"]:
         raise CheckpointError(f"{end} was not warm-started from {start} (its card's init: {b_card.get('init')}); "
                               f"interpolate a checkpoint with one trained on from it (`python -m specbook.train "
