@@ -42,6 +42,15 @@ def test_per_category_takes_the_first_n_of_each():
         bench.per_category(ps, 2, ["a", "z"])
     with pytest.raises(SystemExit):  # --categories without --per-category: argparse names the problem
         bench.main(["--categories", "a"])
+    # skip: the next n of each, disjoint from the first n; a category left empty is refused, not dropped
+    assert [p["turns"][0] for p in bench.per_category(ps, 2, skip=1)] == ["1", "3", "5", "6", "7"]
+    assert [p["turns"][0] for p in bench.per_category(ps, 1, ["a", "b"], skip=2)] == ["3", "6"]
+    with pytest.raises(ValueError, match=r"first 2 prompts of every category leaves none of \['c'\]"):
+        bench.per_category(ps, 2, skip=2)
+    with pytest.raises(ValueError, match="n >= 1 and skip >= 0"):
+        bench.per_category(ps, 2, skip=-1)
+    with pytest.raises(SystemExit):
+        bench.main(["--skip", "2"])
 
 
 def test_mtp_auto_depth_by_hand():

@@ -959,8 +959,12 @@ def fast_drafts(loaded: Loaded) -> dict[str, object]:
     return out
 
 
-def per_category(prompts: list[dict], n: int, categories: list[str] | None = None) -> list[dict]:
-    """The first ``n`` prompts of every category (of ``categories`` only, when given), in file order."""
+def per_category(prompts: list[dict], n: int, categories: list[str] | None = None, skip: int = 0) -> list[dict]:
+    """Prompts skip+1 .. skip+n of every category (of ``categories`` only, when given), in file order.
+
+    ``skip`` > 0 gives a confirmation run prompts that an earlier ``skip = 0`` run of the same ``n`` never saw."""
+    if n < 1 or skip < 0:
+        raise ValueError(f"per_category needs n >= 1 and skip >= 0, got n={n}, skip={skip}")
     known = {p.get("category", "") for p in prompts}
     if missing := sorted(set(categories or ()) - known):
         raise ValueError(f"no prompts of categories {missing}; the prompt set has {sorted(known)}")
@@ -970,9 +974,12 @@ def per_category(prompts: list[dict], n: int, categories: list[str] | None = Non
         c = p.get("category", "")
         if categories and c not in categories:
             continue
-        if seen.get(c, 0) < n:
-            seen[c] = seen.get(c, 0) + 1
+        seen[c] = seen.get(c, 0) + 1
+        if skip < seen[c] <= skip + n:
             out.append(p)
+    if empty := sorted(c for c, k in seen.items() if k <= skip):
+        raise ValueError(f"skipping the first {skip} prompts of every category leaves none of {empty} "
+                         f"(they have {[seen[c] for c in empty]}); lower --skip or pass --categories without them")
     return out
 
 
@@ -1006,6 +1013,9 @@ def main(argv=None):
                     help="the first N prompts of every category instead of the first --limit (a per-category table)")
     ap.add_argument("--categories", default="",
                     help="comma list: only these categories (with --per-category), e.g. math_reasoning,translation")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="with --per-category: leave out the first N prompts of every category, so a confirmation "
+                         "run reads prompts that a run without --skip did not")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -1028,9 +1038,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     cats = [c.strip() for c in a.categories.split(",") if c.strip()]
-    if cats and not a.per_category:
-        ap.error("--categories needs --per-category N (how many prompts of each)")
-    prompts = per_category(load_prompts(a.prompts), a.per_category, cats) if a.per_category else \
+    if (cats or a.skip) and not a.per_category:
+        ap.error("--categories and --skip need --per-category N (how many prompts of each)")
+    prompts = per_category(load_prompts(a.prompts), a.per_category, cats, a.skip) if a.per_category else \
         load_prompts(a.prompts, limit=a.limit)
     res = run_bench(methods, prompts, model_name=a.model, dtype=a.dtype, device=a.device,
                     max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
