@@ -170,6 +170,9 @@ def test_checkpoint_table_compares_two_sets_of_drafters_per_category():
     d["by_category"] = [x for x in rows if x["category"] == "qa"]  # template categories only: no empty broad row
     table = report.checkpoint_table(d)
     assert "**template categories** (1)" in table and "broad categories" not in table
+    d["by_category"] = [{**x, "category": c} for x, c in zip(rows[:4], ("256", "256", "8000", "8000"))]
+    table = report.checkpoint_table(d)  # a long-context sweep: its categories are context lengths, not prompt kinds
+    assert "| **every context length** (2) | 2.667 | 1.5 | -43.8% |" in table and "categories**" not in table
 
 
 def test_change_interval_is_a_paired_bootstrap_over_prompts():

@@ -12,7 +12,7 @@ from specbook import specbench
 from specbook.decoding import generate, pad_left, speculative_generate, speculative_generate_batch
 from specbook.drafters.draft_model import DraftModelDrafter
 from specbook.drafters.lookup import PromptLookupDrafter
-from specbook.longctx import long_prompt
+from specbook.longctx import long_prompt, long_prompts
 from specbook.models import tiny_llama
 from specbook.tree import additive_mask
 
@@ -35,6 +35,12 @@ def test_long_prompts_are_deterministic_nested_and_fit(real):
         long_prompt(smol_tokenizer, 8192, max_new_tokens=64)
     with pytest.raises(ValueError, match="shorter than one paragraph"):
         long_prompt(smol_tokenizer, 16)
+    two = long_prompts(smol_tokenizer, [1024, 2048], per_length=2)
+    assert [p["category"] for p in two] == ["1024", "1024", "2048", "2048"]
+    assert two[0] == a and two[2] == b  # seed 0 is the one-prompt sweep's report
+    assert two[1]["turns"] != two[0]["turns"] and 900 < two[1]["tokens"] <= 1024  # another report, same budget
+    with pytest.raises(ValueError, match="per_length must be >= 1"):
+        long_prompts(smol_tokenizer, [1024], per_length=0)
 
 
 def test_every_loop_refuses_an_over_long_prompt(tiny):

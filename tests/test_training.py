@@ -132,6 +132,38 @@ def test_heldout_split_is_by_prompt(tiny_corpus, tiny_target, tmp_path):
         TrainData(load_corpus(tmp_path / "lone"), None, seq_len=24)
 
 
+def test_packed_windows_are_whole_records_end_to_end(tiny_corpus, tiny_target, tmp_path):
+    """--pack: every window holds exactly seq_len tokens, made of train records from their first token on (the last
+    one cut), with each record's own features; no loss position predicts across a record boundary."""
+    corpus, _ = tiny_corpus
+    store = load_or_build(tiny_target, corpus, (-1,), root=tmp_path / "feats", progress=False)
+    data = TrainData(corpus, store, seq_len=100, seed=0, pack=True)
+    b = data.batch(3, torch.Generator().manual_seed(7))
+    assert b.tokens.shape == (3, 100) and b.feats.shape[:2] == (3, 100)
+
+    def record_at(row: int, j: int) -> tuple[int, int]:  # the train record whose first tokens start at j, and n
+        for i in data.train:
+            off, pl, rl = (int(x) for x in corpus.index[i])
+            n = min(100 - j, pl + rl)
+            if np.array_equal(corpus.tokens[off:off + n], b.tokens[row, j:j + n].numpy()):
+                return i, n
+        raise AssertionError(f"row {row} position {j}: no train record starts here")
+
+    pieces = 0
+    for row in range(3):
+        j = 0
+        while j < 100:
+            rec, n = record_at(row, j)
+            off, pl, _ = (int(x) for x in corpus.index[rec])
+            assert torch.equal(b.feats[row, j:j + n], store.rows(off, off + n))
+            assert not b.mask[row, j + n - 1]  # its next token is the next record's (or past the window)
+            assert int(b.mask[row, j:j + n].sum()) == max(0, n - pl)  # every response position but the last
+            j, pieces = j + n, pieces + 1
+    assert pieces > 3  # records shorter than the window: several per row
+    plain = TrainData(corpus, store, seq_len=100, seed=0)
+    assert plain.batch(3, torch.Generator().manual_seed(7)).tokens.shape[1] < 100  # unpacked: one record a window
+
+
 def test_loop_drives_toy_drafter_below_bound(tiny_corpus, tiny_target, tmp_path):
     corpus, _ = tiny_corpus
     data = _setup(tiny_target, corpus, tmp_path)

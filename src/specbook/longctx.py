@@ -3,6 +3,8 @@ length, and what one verification forward costs as the context grows.
 
     python -m specbook.longctx --lengths 256,1024,2048,4096,6144,8000 --out docs/bench/cpu_longctx_t0.json
 
+``--per-length N`` draws N reports (seeds 0..N-1) for every length, so each point pools N prompts.
+
 The long prompts are built from the project's own synthetic reports (``broad_prompts.synthetic_report``:
 invented towns, one paragraph each, from a seeded generator): the report is cut at a paragraph boundary to the
 longest prefix whose chat-encoded prompt fits ``n_tokens``, and followed by a request to summarize it. The
@@ -58,8 +60,12 @@ def long_prompt(tokenizer, n_tokens: int, *, max_new_tokens: int = 64, context: 
     return {"category": str(n_tokens), "turns": [text], "tokens": length, "paragraphs": lo}
 
 
-def long_prompts(tokenizer, lengths: list[int], **kw) -> list[dict]:
-    return [long_prompt(tokenizer, n, **kw) for n in lengths]
+def long_prompts(tokenizer, lengths: list[int], per_length: int = 1, **kw) -> list[dict]:
+    """``per_length`` prompts for each length, from the reports of seeds 0..per_length-1 (seed 0 is the report
+    of a one-prompt sweep), grouped by length: the bench's category is the length asked for."""
+    if per_length < 1:
+        raise ValueError(f"per_length must be >= 1, got {per_length}")
+    return [long_prompt(tokenizer, n, seed=s, **kw) for n in lengths for s in range(per_length)]
 
 
 def context_cost(model, contexts: list[int], ks=(1, 8, 32, 64), repeats: int = 2) -> dict[int, dict[int, float]]:
@@ -78,6 +84,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m specbook.longctx", description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="256,1024,2048,4096,6144,8000", help="prompt lengths in tokens")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--per-length", type=int, default=1,
+                    help="prompts per length (reports of different seeds); each length's tau pools them")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="fast")
     ap.add_argument("--cost-k", default="1,8,32,64", help="forward sizes for the cost-vs-context grid")
@@ -85,12 +93,13 @@ def main(argv=None):
     a = ap.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
     model, tok = load_model("smollm2-135m-instruct", dtype=a.dtype)
-    prompts = long_prompts(tok, lengths, max_new_tokens=a.max_new_tokens,
+    prompts = long_prompts(tok, lengths, per_length=a.per_length, max_new_tokens=a.max_new_tokens,
                            context=int(model.config.max_position_embeddings))
     res = run_bench([m.strip() for m in a.methods.split(",") if m.strip()], prompts, model=model, tokenizer=tok,
                     max_new_tokens=a.max_new_tokens, temperature=0.0)
     res["settings"]["command"] = "python -m specbook.longctx " + " ".join(argv if argv is not None else sys.argv[1:])
-    res["settings"]["prompt_tokens"] = {p["category"]: p["tokens"] for p in prompts}
+    res["settings"]["prompt_tokens"] = {str(n): round(sum(p["tokens"] for p in prompts if p["category"] == str(n))
+                                                      / a.per_length) for n in lengths}  # mean over a length's prompts
     res["context_cost_s"] = {str(c): {str(k): v for k, v in d.items()} for c, d in context_cost(
         model, lengths, ks=[int(x) for x in a.cost_k.split(",")]).items()}
     print(markdown_table(res))

@@ -183,8 +183,9 @@ def checkpoint_table(d: dict) -> str:
     lines += [row(c, [c]) for c in cats]
     template = [c for c in cats if c in TEMPLATE_CATEGORIES]
     broad = [c for c in cats if c not in TEMPLATE_CATEGORIES]
-    lines += [row(f"**{name} categories** ({len(group)})", group)
-              for name, group in (("template", template), ("broad", broad)) if group]  # a run of one kind: no empty row
+    groups = ((("every context length", cats),) if all(c.isdigit() for c in cats)  # a long-context sweep
+              else (("template categories", template), ("broad categories", broad)))
+    lines += [row(f"**{name}** ({len(group)})", group) for name, group in groups if group]  # a run of one kind: no empty row
     ratios = []
     for a, b in pairs:
         bt = {x: (pooled(x, broad), pooled(x, template)) for x in (b, a)}

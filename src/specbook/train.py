@@ -111,8 +111,8 @@ def _fit(method: str, obj, args, corpus, store, target):
     if args.interpolate and not args.init:
         raise SystemExit("--interpolate START needs --init END: the checkpoint that was trained on from START")
     cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
-                      eval_every=args.eval_every, ckpt_every=args.eval_every, seed=args.seed)
-    data = TrainData(corpus, store, seq_len=cfg.seq_len, seed=cfg.seed)
+                      eval_every=args.eval_every, ckpt_every=args.eval_every, seed=args.seed, pack=args.pack)
+    data = TrainData(corpus, store, seq_len=cfg.seq_len, seed=cfg.seed, pack=cfg.pack)
     if args.interpolate:  # no training: a point on the line from START to its continuation, evaluated held-out
         mix = interpolate(obj, args.interpolate, args.init, args.alpha, target)
         final = {"step": 0, **evaluate(obj, data, cfg, target.device)}  # steps: none of its own; its ends' in the card
@@ -211,6 +211,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--pack", action="store_true",
+                    help="fill every window with whole records one after another up to --seq-len (train and held-out), "
+                         "so the head sees positions that far out; each record keeps its own target features")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=100)

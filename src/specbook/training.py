@@ -44,13 +44,14 @@ class TrainData:
     prompt, and they all fall on the same side, so the held-out numbers never read an answer to a prompt
     the drafter trained on. For a one-pass corpus this is the same split as one by record."""
 
-    def __init__(self, corpus, store, seq_len: int = 256, heldout_fraction: float = 0.03, seed: int = 0):
+    def __init__(self, corpus, store, seq_len: int = 256, heldout_fraction: float = 0.03, seed: int = 0,
+                 pack: bool = False):
         groups: dict = {}  # prompt -> its records, prompts in order of first appearance
         for i, r in enumerate(corpus.records):
             groups.setdefault(r.get("question_id", f"#{i}"), []).append(i)
         if len(groups) < 2:
             raise ValueError(f"the corpus needs records of at least 2 prompts (train + held-out), got {len(groups)}")
-        self.corpus, self.store, self.seq_len = corpus, store, seq_len
+        self.corpus, self.store, self.seq_len, self.pack = corpus, store, seq_len, pack
         keys = list(groups)
         g = torch.Generator().manual_seed(seed)
         perm = torch.randperm(len(keys), generator=g).tolist()
@@ -65,7 +66,12 @@ class TrainData:
         # start anywhere such that the window contains at least one response position
         lo, hi = max(0, pl - S + 2), max(0, n - 2)
         start = lo if hi <= lo else lo + int(torch.randint(hi - lo + 1, (1,), generator=g))
-        stop = min(n, start + S)
+        return self._span(rec, start, min(n, start + S))
+
+    def _span(self, rec: int, start: int, stop: int) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
+        """Tokens [start, stop) of record ``rec``, their features, and the loss mask."""
+        off, pl, rl = (int(x) for x in self.corpus.index[rec])
+        n = pl + rl
         toks = self.corpus.tokens[off + start:off + stop].astype(np.int64)
         feats = self.store.rows(off + start, off + stop)
         pos = np.arange(start, stop)
@@ -75,8 +81,10 @@ class TrainData:
 
     def batch(self, size: int, g: torch.Generator, heldout: bool = False) -> Batch:
         pool = self.heldout if heldout else self.train
-        recs = [pool[int(i)] for i in torch.randint(len(pool), (size,), generator=g)]
-        ws = [self._window(r, g) for r in recs]
+        if self.pack:
+            ws = [self._packed(pool, g) for _ in range(size)]
+        else:
+            ws = [self._window(pool[int(i)], g) for i in torch.randint(len(pool), (size,), generator=g)]
         S = max(len(w[0]) for w in ws)
         nl, H = ws[0][1].shape[1:]
         toks = torch.zeros(size, S, dtype=torch.long)
@@ -88,6 +96,22 @@ class TrainData:
             mask[i, :len(t)] = torch.from_numpy(m)
         return Batch(toks, feats, mask)
 
+    def _packed(self, pool: list[int], g: torch.Generator) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
+        """One window of exactly seq_len tokens: whole records drawn at random from ``pool``, one after another
+        (the last one cut), so the head trains on positions up to seq_len however short the records are.
+
+        Simplification: each record's features come from the target's pass over that record alone, so a packed
+        window teaches the head to attend over long spans and large position offsets, not the target's own
+        hidden states at long context. No position predicts across a record boundary (the mask)."""
+        parts, n = [], 0
+        while n < self.seq_len:
+            rec = pool[int(torch.randint(len(pool), (1,), generator=g))]
+            length = int(self.corpus.index[rec, 1] + self.corpus.index[rec, 2])
+            parts.append(self._span(rec, 0, min(length, self.seq_len - n)))  # a record's last position: no loss
+            n += len(parts[-1][0])
+        return (np.concatenate([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                np.concatenate([p[2] for p in parts]))
+
 
 # --------------------------------------------------------------------------- the loop
 
@@ -97,6 +121,7 @@ class TrainConfig:
     steps: int = 600
     batch: int = 8  # windows per step
     seq_len: int = 256
+    pack: bool = False  # True: fill each window with whole records one after another (TrainData._packed)
     lr: float = 1e-3
     warmup: int = 30
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
