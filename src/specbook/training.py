@@ -60,7 +60,7 @@ class TrainData:
         self.train = [i for k in perm[n_eval:] for i in groups[keys[k]]]
 
     def _window(self, rec: int, g: torch.Generator) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
-        off, pl, rl = (int(x) for x in self.corpus.index[rec])
+        _, pl, rl = (int(x) for x in self.corpus.index[rec])
         n = pl + rl
         S = self.seq_len
         # start anywhere such that the window contains at least one response position
