@@ -229,3 +229,33 @@ def test_template_categories_are_the_template_sets():
 
     tr, ev = build(broad=False)
     assert set(TEMPLATE_CATEGORIES) == {r["category"] for r in tr + ev}
+
+
+def test_every_committed_drafter_is_trained_on_the_committed_corpus_or_a_spread_subset(tmp_path):
+    """What data/checkpoints/README.md and the README say: each card's corpus sha is the committed corpus's, or
+    that of the evenly spaced subset of it with the card's record count (`train --records N`)."""
+    import json
+
+    from specbook.corpus import load_corpus, subset
+
+    corpus = load_corpus()
+    cards = {p.stem: json.loads(p.read_text()) for p in (report.ROOT / "data" / "checkpoints").glob("*.json")}
+    assert {"eagle", "medusa", "mtp", "draft_model", "eagle3", "dflash", "dspark"} <= set(cards)
+    subsets = {}
+    for kind, card in cards.items():
+        n = card.get("corpus_records")
+        if card["corpus_sha"] != corpus.sha:
+            assert n and n < len(corpus), f"{kind}: corpus {card['corpus_sha']} is not the committed corpus"
+            subsets.setdefault(n, subset(corpus, n, tmp_path / str(n), spread=True).sha)
+            assert card["corpus_sha"] == subsets[n], f"{kind}: corpus {card['corpus_sha']} is no subset of data/corpus"
+
+
+def test_every_run_says_which_checkpoints_it_read():
+    card = {"folder": "data/checkpoints", "corpus_sha": "abc", "corpus_records": 3, "steps": 8}
+    s = {"checkpoints": {"eagle2": {"eagle": card}, "eagle": {"eagle": card},
+                         "mtp": {"mtp": {**card, "corpus_sha": "def"}}}}
+    line = report._checkpoints_line(s)
+    assert "data/checkpoints/eagle (corpus abc), data/checkpoints/mtp (corpus def)." in line
+    assert line.count("(corpus abc)") == 1  # one entry per checkpoint, however many methods read it
+    assert "none" in report._checkpoints_line({"checkpoints": {}})
+    assert "not recorded" in report._checkpoints_line({})

@@ -429,3 +429,16 @@ def test_an_interrupted_feature_build_resumes_where_it_stopped(tiny_corpus, tiny
     assert len(first) == 3 and sum(resumed) + sum(first[:2]) == len(corpus)  # the 2 finished batches were not rerun
     assert np.array_equal(np.asarray(store.data), np.asarray(whole.data))
     assert not (store.path / "progress.json").exists()
+
+
+def test_corpus_info_names_the_sha_of_a_spread_subset(tiny_corpus, tmp_path, capsys):
+    from specbook.corpus import main, subset
+
+    corpus, _ = tiny_corpus
+    main(["info", "--corpus", str(tmp_path / "corpus")])
+    whole = json.loads(capsys.readouterr().out)
+    main(["info", "--corpus", str(tmp_path / "corpus"), "--records", "5"])
+    part = json.loads(capsys.readouterr().out)
+    assert whole["sha"] == corpus.sha and whole["records"] == len(corpus)
+    # the subset `train --records 5` trains on: evenly spaced records, its own sha
+    assert part["sha"] == subset(corpus, 5, tmp_path / "sub", spread=True).sha != corpus.sha and part["records"] == 5

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -408,7 +409,10 @@ def main(argv=None):
     g.add_argument("--temperature", type=float, default=d.temperature)
     g.add_argument("--limit", type=int, default=None, help="only the first N prompts (smoke runs)")
     g.add_argument("--out", default=str(CORPUS_DIR))
-    sub.add_parser("info")
+    i = sub.add_parser("info")
+    i.add_argument("--corpus", default=str(CORPUS_DIR))
+    i.add_argument("--records", type=int, default=None,
+                   help="the sha of N evenly spaced records instead (the subset `train --records N` trains on)")
     a = ap.parse_args(argv)
     if a.cmd == "generate":
         s = CorpusSettings(target=a.target, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
@@ -416,10 +420,13 @@ def main(argv=None):
                            temperature=a.temperature, passes=a.passes, seed=a.seed)
         m = generate_corpus(s, Path(a.out), limit=a.limit)
     else:
-        c = load_corpus()
-        m = {**c.manifest, "categories": category_counts(c.index, c.records)}
-    print(json.dumps({k: m[k] for k in ("records", "prompt_tokens", "response_tokens", "skipped_too_long",
-                                        "generation_seconds_this_run", "categories")}, indent=1))
+        c = load_corpus(Path(a.corpus))
+        if a.records:
+            with tempfile.TemporaryDirectory() as tmp:  # the sha and counts outlive the subset's files
+                c = subset(c, a.records, Path(tmp), spread=True)
+        m = {**c.manifest, "sha": c.sha, "categories": category_counts(c.index, c.records)}
+    print(json.dumps({k: m[k] for k in ("sha", "records", "prompt_tokens", "response_tokens", "skipped_too_long",
+                                        "generation_seconds_this_run", "categories") if k in m}, indent=1))
 
 
 if __name__ == "__main__":
