@@ -347,8 +347,10 @@ def readme_block(bench_dir: Path = BENCH_DIR) -> str:
     """The README's results table: the headline runs' speedup (tau) per method, one column per run."""
     runs = [(n, json.loads((Path(bench_dir) / n).read_text())) for n in README_RUNS]
     methods = list(dict.fromkeys(r["method"] for _, d in runs for r in d["rows"]))
+    cpus = [d["machine"].get("cpu", "?") for _, d in runs]
     heads = [f"T = {d['settings']['temperature']}, {d['settings']['dtype']}"
-             + (f", {d['settings']['forward']} forward" if "forward" in d["settings"] else "") for _, d in runs]
+             + (f", {d['settings']['forward']} forward" if "forward" in d["settings"] else "")
+             + (f", {c}" if len(set(cpus)) > 1 else "") for (_, d), c in zip(runs, cpus)]  # runs on two CPUs
     lines = ["| method | " + " | ".join(heads) + " |", "|" + "---|" * (len(runs) + 1)]
     for m in methods:
         cells = []
@@ -356,9 +358,10 @@ def readme_block(bench_dir: Path = BENCH_DIR) -> str:
             r = next((x for x in d["rows"] if x["method"] == m), None)
             cells.append("" if r is None else f"{r['speedup']}x" + (f" ({r['tau']})" if r.get("tau") else ""))
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    cpu = runs[0][1]["machine"].get("cpu", "?")
+    where = f"{cpus[0]}; " if len(set(cpus)) == 1 else ""
     src = ", ".join(f"[{n}](docs/bench/{n})" for n, _ in runs)
-    return f"{BEGIN}\n" + "\n".join(lines) + f"\n\nspeedup vs `ar` (tau); {cpu}; from {src}.\n{END}"
+    return (f"{BEGIN}\n" + "\n".join(lines) + f"\n\nspeedup vs `ar` (tau); {where}from {src} (docs/RESULTS.md "
+            f"names the checkpoints each run read).\n{END}")
 
 
 def with_readme_block(readme: str, block: str) -> str:
