@@ -442,3 +442,6 @@ def test_corpus_info_names_the_sha_of_a_spread_subset(tiny_corpus, tmp_path, cap
     assert whole["sha"] == corpus.sha and whole["records"] == len(corpus)
     # the subset `train --records 5` trains on: evenly spaced records, its own sha
     assert part["sha"] == subset(corpus, 5, tmp_path / "sub", spread=True).sha != corpus.sha and part["records"] == 5
+    with pytest.raises(SystemExit):
+        main(["info", "--corpus", str(tmp_path / "corpus"), "--records", "0"])
+    assert "at least 1 record" in capsys.readouterr().err

@@ -414,6 +414,8 @@ def main(argv=None):
     i.add_argument("--records", type=int, default=None,
                    help="the sha of N evenly spaced records instead (the subset `train --records N` trains on)")
     a = ap.parse_args(argv)
+    if a.cmd == "info" and a.records is not None and a.records < 1:
+        ap.error(f"--records {a.records}: a subset needs at least 1 record")
     if a.cmd == "generate":
         s = CorpusSettings(target=a.target, prompts=a.prompts, max_new_tokens=a.max_new_tokens,
                            max_prompt_tokens=a.max_prompt_tokens, batch=a.batch, batch_tokens=a.batch_tokens, dtype=a.dtype,
