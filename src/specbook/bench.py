@@ -98,7 +98,10 @@ class EagleSettings:
                         confidence-as-acceptance (notebook 03 compares)
     draft_cost          None = measured once per run; a number overrides it (0.0 = an auto mode blind to it)
     children            at T > 0: "topk" (the papers' top-k picks), "iid" or "noreplace" (children drawn from the
-                        draft's q, kept with min(1, p/q); EagleRunner); eagle, eagle2 and eagle3 use it
+                        draft's q, kept with min(1, p/q); EagleRunner); eagle, eagle2 and eagle3 use it. The default
+                        is chosen by measurement: the README's T = 1 bench runs the three rules side by side
+                        (`eagle2[children=topk]`, `[children=iid]`, `eagle2`) and the results page shows them; the
+                        drafters' own default stays the papers' top-k rule
     """
 
     nodes: Size = "auto"
@@ -107,7 +110,7 @@ class EagleSettings:
     eagle2_total: Size = "auto"
     eagle2_calibration: float | None = None
     draft_cost: float | None = None
-    children: str = "topk"
+    children: str = "noreplace"
 
     def __post_init__(self):
         from .drafters.eagle.drafter import CHILD_RULES
@@ -1026,9 +1029,9 @@ def main(argv=None):
     ap.add_argument("--device", default=None)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--children", default="topk", choices=["topk", "iid", "noreplace"],
+    ap.add_argument("--children", default=EagleSettings.children, choices=["topk", "iid", "noreplace"],
                     help="eagle / eagle2 / eagle3 at T > 0: top-k picks, or children drawn from q (i.i.d. / without "
-                         "replacement)")
+                         f"replacement); default {EagleSettings.children} (EagleSettings says how it was chosen)")
     ap.add_argument("--forward", default="compiled", choices=list(FORWARDS),
                     help="how the target runs (fastpath.py): compiled (default; compile seconds reported in the JSON), "
                          "static (the same static KV cache, eager: the reference), hf (transformers' forward)")
