@@ -32,8 +32,6 @@ def lost_reply(msg_id: str, outputs: list[dict]) -> dict:
 class PatientClient(NotebookClient):
     """nbclient's client that does not wait forever for a reply the kernel's idle status says is due."""
 
-    grace_s: float = 60.0
-
     def __init__(self, nb, grace_s: float = 60.0, **kw):
         super().__init__(nb, **kw)
         self.grace_s = grace_s
