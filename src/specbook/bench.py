@@ -776,14 +776,16 @@ def _mtp(ctx: BenchContext, ids, mask, gen) -> RunStats:
     return _spec(ctx, ids, MTPDrafter(ctx.model, mods, vocab, depth=depth), gen)
 
 
-@method("eagle_chain", "the EAGLE-1 head drafting a chain of top-1 tokens as deep as mtp's: the like-for-like "
-                       "baseline of mtp (same inputs, one head reused per depth)")
+@method("eagle_chain", "the EAGLE-1 head drafting a chain as deep as mtp's (top-1 tokens at T = 0; at T > 0 each drawn "
+                       "from q under the run's child rule, as mtp's are): the like-for-like baseline of mtp (same "
+                       "inputs, one head reused per depth)")
 def _eagle_chain(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.eagle import EagleDrafter
     from .tree import chain_choices
 
     head, vocab, _, _ = eagle_for(ctx)
-    return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=chain_choices(mtp_for(ctx)[4])), gen)
+    return _spec(ctx, ids, EagleDrafter(ctx.model, head, vocab, choices=chain_choices(mtp_for(ctx)[4]),
+                                        children=ctx.settings.eagle.children), gen)
 
 
 # ---------------------------------------------------------------- DFlash / DSpark
