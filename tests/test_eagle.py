@@ -405,6 +405,90 @@ def test_measure_draft_cost_leaves_the_drafter_as_it_was(tiny_pair):
     assert speculative_generate(tgt, drafter, ids, max_new_tokens=10, eos_token_id=-1).tokens == ref.tokens
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_chains_match_one_at_a_time(tiny_pair, temperature):
+    """EagleDrafter.propose_batch (R chains through one padded draft cache, padding masked) drafts what propose
+    drafts for each sequence alone (contexts of different lengths): at T = 0 the same tokens and survivals, which
+    are also what the tree code (``_draft`` over the chain's spec) drafts, with its path confidence x calibration; at
+    T = 1 a batch of one draws exactly what the tree code draws from the same seed. After either, each sequence's
+    draft cache holds its committed positions only. Survivals are non-increasing and <= 1."""
+    import copy
+
+    from specbook.cache import crop_to
+    from specbook.decoding import SpecState
+    from specbook.tree import chain_choices
+
+    tgt, head = tiny_pair
+    proto = EagleDrafter(tgt, head, choices=chain_choices(4), calibration=1.7, children="noreplace")
+    assert proto.chain and proto.confidences and proto.gamma == 4
+
+    def states(prompts, g):
+        out = []
+        for pr in prompts:
+            with torch.no_grad():
+                hid = tgt(torch.tensor([pr]), output_hidden_states=True).hidden_states[-1][0]
+            out.append(SpecState(tokens=pr + [5], prompt_len=len(pr), sampling=SamplingConfig(temperature),
+                                 generator=g, target=tgt, target_hidden=hid))
+        return out
+
+    def begun(sts):
+        ds = [copy.copy(proto) for _ in sts]
+        for d, s in zip(ds, sts):
+            d.begin(s)
+        return ds
+
+    def tree_code(d, s):  # EagleRunner.propose with the spec's tree code
+        d._sampling, d._gen = s.sampling, s.generator
+        out = d._draft(d._catch_up(s), d.forwards)
+        crop_to(d.cache, d.n_cached)
+        return out
+
+    prompts = [[1, 4, 2], [3, 3, 8, 0, 1, 6, 2], [7, 2, 2, 9, 4]]
+    g = None if temperature == 0 else make_generator(4)
+    sts = states(prompts if temperature == 0 else prompts[1:2], g)
+    alone, together = begun(sts), begun(sts)
+    many = EagleDrafter.propose_batch(together, sts)
+    if temperature == 0:
+        one = [d.propose(s) for d, s in zip(alone, sts)]
+        refd = begun(sts)  # drafted by the tree code (its own catch-up), step after step
+        ref = [tree_code(d, s) for d, s in zip(refd, sts)]
+    else:
+        g.manual_seed(4)
+        ref = [tree_code(alone[0], sts[0])]
+        one = ref
+        torch.testing.assert_close(ref[0].q, many[0].q)
+    for x, y, z, d in zip(one, many, ref, together):
+        assert x.tokens.tolist() == y.tokens.tolist() == z.tokens.tolist() and len(y.tokens) == 4
+        assert y.parents.tolist() == [-1, 0, 1, 2]
+        if temperature == 0:  # the top pick's q is the max: EAGLE-2's path confidence (at T = 1 the tree code's
+            # confidence is the sampled token's own q, which a scheduler may not read)
+            torch.testing.assert_close(x.confidence, y.confidence, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(z.confidence, y.confidence, atol=1e-5, rtol=1e-4)
+        assert bool((y.confidence[1:] <= y.confidence[:-1]).all()) and float(y.confidence.max()) <= 1.0
+        assert d.cache.get_seq_length() == d.n_cached
+    assert [d.forwards for d in together] == [d.forwards for d in alone]
+    if temperature:
+        return
+    # a second step: rows accept 0, 2 and 4 draft tokens (+ one more token), so the batched catch-up pads ragged
+    # blocks; the drafts and each row's draft cache equal the rows drafted alone and by the tree code
+    for k, s, x in zip([0, 2, 4], sts, many):
+        s.tokens += x.tokens[:k].tolist() + [int(x.tokens[0]) if k == 4 else 6]
+        with torch.no_grad():
+            hid = tgt(torch.tensor([s.tokens[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+        s.target_hidden = hid[len(s.tokens) - 2 - k:]
+    one = [d.propose(s) for d, s in zip(alone, sts)]
+    many = EagleDrafter.propose_batch(together, sts)
+    ref = [tree_code(d, s) for d, s in zip(refd, sts)]
+    for x, y, z, a, b in zip(one, many, ref, refd, together):
+        assert x.tokens.tolist() == y.tokens.tolist() == z.tokens.tolist()
+        torch.testing.assert_close(x.confidence, y.confidence, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(z.confidence, y.confidence, atol=1e-5, rtol=1e-4)
+        assert b.n_cached == a.n_cached == b.cache.get_seq_length()
+        torch.testing.assert_close(a.cache.layers[0].keys, b.cache.layers[0].keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.cache.layers[0].values, b.cache.layers[0].values, atol=1e-5, rtol=1e-4)
+    assert [d.forwards for d in together] == [d.forwards for d in alone]
+
+
 def test_bad_input(tiny_pair):
     tgt, head = tiny_pair
     with pytest.raises(ValueError, match="total_tokens"):
@@ -421,6 +505,8 @@ def test_bad_input(tiny_pair):
         Eagle2Drafter(tgt, head, total_tokens="auto", latency={1: 1.0}, draft_cost=-1.0)
     with pytest.raises(ValueError, match="calibration"):
         Eagle2Drafter(tgt, head, total_tokens="auto", latency={1: 1.0}, calibration=0.0)
+    with pytest.raises(ValueError, match="calibration"):
+        EagleDrafter(tgt, head, choices=[(0,)], calibration=-1.0)
     wide = tiny_llama(vocab_size=VOCAB, hidden_size=64, seed=3)
     with pytest.raises(ValueError, match="another target"):
         Eagle2Drafter(wide, head)

@@ -201,6 +201,42 @@ def test_block_drafter_serves_and_records(target):
         S.serve(target, reqs, policy="alg1", drafter=BlockDrafter(target, net, threshold=0.5), curve=curve)
 
 
+def _eagle_chain(target, depth=3, calibration=1.5, children="topk"):
+    from specbook.drafters.eagle import EagleDrafter, EagleHead
+    from specbook.tree import chain_choices
+
+    torch.manual_seed(0)
+    head = EagleHead(target.config).eval()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for prm in head.parameters():
+            prm.add_(torch.randn(prm.shape, generator=g) * 0.2)
+    return EagleDrafter(target, head, choices=chain_choices(depth), calibration=calibration, children=children)
+
+
+@pytest.mark.parametrize("policy", ["fixed:3", "alg1"])
+def test_eagle_chain_serves_with_its_path_confidence(target, policy):
+    """An EAGLE chain (target features through the packed forward, the chains drafted together) as the second
+    survival source: greedy identity with AR while requests join and leave, survivals recorded per step, non-increasing
+    and <= 1; Algorithm 1 verifies some but not all of them. A tree-drafting EagleDrafter is refused."""
+    from specbook.drafters.eagle import EagleDrafter
+
+    d = _eagle_chain(target)
+    reqs = [S.Request(i, p, n) for i, (p, n) in enumerate(zip(PROMPTS, (8, 5, 9, 3, 7)))]
+    curve = S.StepCurve({3: 1.0, 4: 1.05, 6: 1.2, 12: 3.0})
+    out = S.serve(target, reqs, policy=policy, drafter=d, concurrency=3, curve=curve, eos_token_id=-1, record=True)
+    ref = [generate(target, torch.tensor([r.prompt]), max_new_tokens=r.max_new_tokens, eos_token_id=-1).tokens[0]
+           for r in reqs]
+    assert [r.tokens for r in out.requests] == ref
+    steps = [t for r in out.requests for t in r.trace]
+    assert all(t["survival"] == sorted(t["survival"], reverse=True) and max(t["survival"]) <= 1 for t in steps)
+    verified, drafted = sum(s.verified for s in out.steps), sum(s.drafted for s in out.steps)
+    assert (verified == drafted) if policy == "fixed:3" else (0 < verified < drafted)
+    tree = EagleDrafter(target, d.head, choices=[(0,), (1,), (0, 0)])
+    with pytest.raises(ValueError, match="chain_choices"):
+        S.serve(target, reqs, policy="alg1", drafter=tree, curve=curve)
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_serving_on_the_static_cache_equals_transformers_cache(target, compile, monkeypatch):
     """The packed row as a FastTarget's static cache (eager, and compiled on a few buckets), started too small for
@@ -277,6 +313,40 @@ def test_scheduled_serving_is_lossless(target, policy):
     assert max(ratios) < 1, f"{policy}: TV / bound per request {ratios}"
 
 
+def _sampled_q_survivals():
+    """BROKEN on purpose: EAGLE chains whose survivals multiply the q of the token actually drawn (the tree code's
+    path confidence at T > 0), so Algorithm 1's decision to verify x_j reads x_j itself."""
+    from specbook.drafters.eagle import EagleDrafter
+
+    class SampledQ(EagleDrafter):
+        @staticmethod
+        def propose_batch(drafters, states):
+            out = EagleDrafter.propose_batch(drafters, states)
+            return [DraftTree(t.tokens, t.parents, t.q, (t.q[torch.arange(len(t)), t.tokens] * d.calibration)
+                              .cumprod(0).clamp(max=1.0), children=t.children) for d, t in zip(drafters, out)]
+
+    return SampledQ
+
+
+def test_eagle_chain_scheduled_serving_is_lossless(target):
+    """Two requests at T = 1, EAGLE chains sampled without replacement (one child per node: a draw from q), cut by
+    Algorithm 1 from the chains' calibrated confidences (which depend on the tokens drafted before each position):
+    each request's first 3 tokens follow the target's exact joint. The same chains scored by the drawn token's own
+    q fail the same check clearly (more runs shrink the noise floor below the bias)."""
+    prompts = [[0, 2, 2], [0, 3, 2, 1]]
+    curve = S.StepCurve({2: 1.0, 3: 1.3, 4: 1.55, 5: 1.7, 6: 1.8})
+    drafter = _eagle_chain(target, depth=2, calibration=1.0, children="noreplace")
+    emp, verified = _joints(target, prompts, "alg1", drafter, curve, n=1500, k=3)
+    ratios = _ratios(target, prompts, emp, 1500, 3)
+    broken = _sampled_q_survivals()(target, drafter.head, choices=drafter.nodes, calibration=1.0, children="noreplace")
+    emp, _ = _joints(target, prompts, "alg1", broken, curve, n=5000, k=3)
+    bad = _ratios(target, prompts, emp, 5000, 3)
+    print(ratios, verified, bad)
+    assert 0.2 < verified < 0.9  # Algorithm 1 cut the chains: some drafted tokens were verified, not all
+    assert max(ratios) < 1, f"TV / bound per request {ratios}"
+    assert max(bad) >= 1.5, f"survivals read from the drawn token should fail the check: {bad}"
+
+
 def test_no_early_stop_scheduler_fails_the_check(target):
     """DSpark Appendix A through the loop: the full search (no early stop) verifies x_1 only when its continuation
     looks confident, i.e. depending on x_1 itself; the output leaves the target's distribution by >= 3x the bound.
@@ -294,9 +364,12 @@ def test_no_early_stop_scheduler_fails_the_check(target):
     assert good[0] < 1 and verified == 0  # the early stop never admits x_1 here (Theta_1 < Theta_0)
 
 
-def test_block_drafter_batched_proposals_match_one_at_a_time(target):
-    """propose_batch (ONE block forward over requests with different context lengths, padding masked) drafts what
-    propose drafts for each request alone: the same greedy tokens, the same q and survivals up to rounding."""
+@pytest.mark.parametrize("threshold", [None, 0.45])
+def test_block_drafter_batched_proposals_match_one_at_a_time(target, threshold):
+    """propose_batch (ONE block forward over requests with different context lengths, padding masked; the tokens
+    drawn for all rows together, position by position) drafts what propose drafts for each request alone: the same
+    greedy tokens, the same q and survivals up to rounding — also when a survival threshold cuts rows at different
+    positions."""
     import copy
 
     from specbook.decoding import SpecState
@@ -308,7 +381,7 @@ def test_block_drafter_batched_proposals_match_one_at_a_time(target):
     with torch.no_grad():
         for p in net.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    proto = BlockDrafter(target, net)
+    proto = BlockDrafter(target, net, threshold=threshold)
     states = []
     for prompt in PROMPTS[:3]:
         with torch.no_grad():
@@ -326,6 +399,43 @@ def test_block_drafter_batched_proposals_match_one_at_a_time(target):
         torch.testing.assert_close(x.q, y.q, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(x.confidence, y.confidence, atol=1e-5, rtol=1e-4)
     assert all(d.forwards == 1 for d in together)
+    for a, b in zip(alone, together):  # the survivals of the proposed positions and of the first one cut
+        assert a.survival[0] == pytest.approx(b.survival[0], abs=1e-5)
+    if threshold is not None:  # the cut really differs between rows here, so the batch handled ragged stops
+        assert len({len(x.tokens) for x in one}) > 1, [len(x.tokens) for x in one]
+
+
+def test_block_drafter_batched_sampling_draws_one_uniform_per_live_row(target):
+    """At T = 1 a batch of one draws exactly what propose draws alone from the same seed (one uniform per position),
+    and a batch of three consumes one uniform per row and position: the generator ends where 3 x gamma draws leave
+    it."""
+    import copy
+
+    from specbook.decoding import SpecState
+
+    torch.manual_seed(0)
+    net = BlockNet(target.config, torch.tensor([0, 2, 3]), gamma=3, layers=1, taps=(1,), markov_rank=4,
+                   confidence=True).eval()
+    proto = BlockDrafter(target, net)
+    with torch.no_grad():
+        out = target(torch.tensor([PROMPTS[0]]), output_hidden_states=True)
+
+    def fresh(g):
+        s = SpecState(tokens=PROMPTS[0] + [2], prompt_len=len(PROMPTS[0]), sampling=SamplingConfig(temperature=1.0),
+                      generator=g, target=target, target_hidden=out.hidden_states[1][0])
+        d = copy.copy(proto)
+        d.begin(s)
+        return d, s
+
+    d1, s1 = fresh(torch.Generator().manual_seed(5))
+    d2, s2 = fresh(torch.Generator().manual_seed(5))
+    torch.testing.assert_close(d1.propose(s1).q, BlockDrafter.propose_batch([d2], [s2])[0].q)
+    g = torch.Generator().manual_seed(5)
+    rows = [fresh(g) for _ in range(3)]
+    BlockDrafter.propose_batch([d for d, _ in rows], [s for _, s in rows])
+    ref = torch.Generator().manual_seed(5)
+    torch.rand(3 * 3, generator=ref)
+    assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=ref))
 
 
 def test_simulate_cli_on_the_committed_sweep(tmp_path, capsys):

@@ -260,11 +260,34 @@ def serving_section(name: str, d: dict) -> str:
            f"{100 * errs[len(errs) // 2]:.1f}%, worst {100 * errs[-1]:.1f}% over {len(errs)} runs.\n") if errs else (
         f"No full-block run (fixed:{s['gamma']}) in this sweep, so no acceptance traces: the simulator is not "
         "validated against it.\n")
+    if ck := s.get("drafter_checkpoint"):
+        head += (f"\nDrafter: {ck['checkpoint']} (corpus {ck.get('corpus_sha')}, {ck.get('steps')} steps), "
+                 f"survival calibration {ck.get('calibration')}.\n")
     warm = sum(f.get("warmup_total_s", 0) for f in s.get("fast", {}).values())
     if warm:
         head += (f"\nCompiled graphs built before the clock: {warm:.0f} s (every reachable bucket, with and without "
                  "hidden states, at each row capacity), outside every figure.\n")
-    return head + "\n" + markdown(rows) + "\n\n" + _forward_ratios(d["rows"]) + sim
+    return head + "\n" + markdown(rows) + "\n\n" + _policy_ratios(d["rows"]) + _forward_ratios(d["rows"]) + sim
+
+
+def _policy_ratios(rows: list[dict]) -> str:
+    """Where Algorithm 1 sits (the first forward mode's rows): at the highest concurrency its throughput over no
+    speculation and over the longest fixed k; at the lowest, over the best fixed k; and the concurrencies at which
+    each fixed k falls below no speculation."""
+    first = next((r["forward"] for r in rows if "forward" in r), None)
+    by = {(r["concurrency"], r["policy"]): r["throughput"] for r in rows if r.get("forward") == first}
+    cs = sorted({c for c, _ in by})
+    fixed = sorted({p for _, p in by if p.startswith("fixed:")}, key=lambda p: int(p.split(":")[1]))
+    if not cs or not fixed or any((c, p) not in by for c in (cs[0], cs[-1]) for p in ("none", "alg1")):
+        return ""
+    hi, lo = cs[-1], cs[0]
+    best = max(fixed, key=lambda p: by.get((lo, p), 0.0))
+    below = "; ".join(f"{p} at c = {', '.join(str(c) for c in cs if by.get((c, p), 1e9) < by[(c, 'none')]) or 'none'}"
+                      for p in fixed)
+    return (f"Algorithm 1 at c = {hi}: {by[(hi, 'alg1')] / by[(hi, 'none')]:.2f}x no speculation, "
+            f"{by[(hi, 'alg1')] / by[(hi, fixed[-1])]:.2f}x {fixed[-1]}; at c = {lo}: "
+            f"{by[(lo, 'alg1')] / by[(lo, best)]:.2f}x the best fixed k ({best}). "
+            f"Fixed k below no speculation: {below}.\n\n")
 
 
 def _forward_ratios(rows: list[dict]) -> str:

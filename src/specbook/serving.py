@@ -28,7 +28,9 @@ grew, are reported apart in ``compile_in_clock_s``). A compiled forward attends 
 row's capacity, so its attention cost follows the row's size rather than the live slots.
 
 Drafting: ``Drafter.propose_batch`` over every running request (the block drafter runs ONE forward for all of
-them); its time is measured and reported apart from the target's.
+them, an EAGLE chain one catch-up and depth - 1 chain forwards); its time is measured and reported apart from the
+target's. Survival sources: DSpark's calibrated confidence head, and an EAGLE chain's calibrated top-1 path
+confidence (each factor known before its token is drawn).
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ from .models import cache_kw, sync
 from .sampling import SamplingConfig, probs_from, sample
 
 POLICIES = ("none", "fixed:K", "threshold:H", "alg1", "vllm", "search")
-CONFIDENCE_DRAFTERS = "DSpark (drafters.dflash.BlockDrafter on a checkpoint with a confidence head, threshold=None)"
+CONFIDENCE_DRAFTERS = ("DSpark (drafters.dflash.BlockDrafter on a checkpoint with a confidence head, threshold=None) "
+                       "and EAGLE chains (drafters.eagle.EagleDrafter with choices=tree.chain_choices(d): "
+                       "calibrated path confidence)")
+DRAFTERS = ("dspark", "eagle")  # the CLI's drafters: DSpark's block, or an EAGLE chain
 
 
 # =========================================================================== SPS(B): the target's step curve
@@ -471,6 +476,9 @@ def check_drafter(policy: Policy, drafter: Drafter | None) -> None:
                          f"none. Drafters that have them: {CONFIDENCE_DRAFTERS}")
     if getattr(drafter, "threshold", None) is not None:
         raise ValueError("the serving policy cuts each block: build the drafter with threshold=None (full block)")
+    if getattr(drafter, "chain", True) is False:
+        raise ValueError(f"the serving loop verifies chains (one causal segment per request); this "
+                         f"{type(drafter).__name__} drafts trees: build it with choices=tree.chain_choices(d)")
 
 
 @torch.inference_mode()
@@ -590,6 +598,9 @@ class _Loop:
         if live and self.pol.drafts:
             rs = [self.running[i] for i in live]
             for i, d in zip(live, type(self.drafter).propose_batch([r.drafter for r in rs], [r.state for r in rs])):
+                if d.parents.tolist() != list(range(-1, len(d) - 1)):
+                    raise ValueError(f"{type(self.drafter).__name__} proposed a tree; the serving loop verifies "
+                                     "chains (one causal segment per request)")
                 drafts[i] = fit_draft(d, len(self.running[i].state.tokens) - 1, self.ctx)
                 surv[i] = None if drafts[i].confidence is None else drafts[i].confidence.tolist()
         return drafts, surv
@@ -763,15 +774,33 @@ def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, c
 # =========================================================================== CLI: python -m specbook.serving
 
 
-def _load(model_name: str, dtype: str, kind: str):
+def _load(model_name: str, dtype: str, kind: str, gamma: int | None = None, temperature: float = 0.0):
+    """The target and a serving drafter from the committed checkpoints: DSpark's block (``gamma`` <= its trained
+    block; default the whole block) with its card's calibration temperatures, or an EAGLE chain of ``gamma`` tokens
+    (default 5; children drawn from q at T > 0) whose survivals are its top-1 path confidence x the card's
+    calibration at this temperature (``EagleDrafter._chains``). Returns
+    (model, tokenizer, drafter, {"checkpoint", "corpus_sha", "steps", "calibration"})."""
     from .drafters.dflash import BlockDrafter, load_block
+    from .drafters.eagle import EagleDrafter, confidence_calibration, load_eagle
     from .models import load_model
     from .train import CKPT_DIR
+    from .tree import chain_choices
 
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {DRAFTERS}, got {kind!r}")
     model, tok = load_model(model_name, dtype=dtype)
-    net, card = load_block(model, CKPT_DIR / kind, kind)
-    drafter = BlockDrafter(model, net, temperatures=card.get("calibration", {}).get("temperatures"))
-    return model, tok, drafter
+    if kind == "eagle":
+        head, vocab, card = load_eagle(model, CKPT_DIR / "eagle")
+        cal = confidence_calibration(card, temperature)
+        drafter = EagleDrafter(model, head, vocab, choices=chain_choices(5 if gamma is None else gamma),
+                               calibration=cal, children="noreplace")
+    else:
+        net, card = load_block(model, CKPT_DIR / kind, kind)
+        cal = card.get("calibration", {}).get("temperatures")
+        drafter = BlockDrafter(model, net, gamma=gamma, temperatures=cal)
+    info = {"checkpoint": f"data/checkpoints/{kind}", "corpus_sha": card.get("corpus_sha"), "steps": card.get("steps"),
+            "calibration": cal}
+    return model, tok, drafter, info
 
 
 def eval_prompt_ids(tokenizer, n: int, max_prompt: int = 256) -> list[list[int]]:
@@ -906,7 +935,11 @@ def main(argv=None) -> None:
     b.add_argument("--policy", nargs="+", default=["none", "fixed:1", "fixed:3", "fixed:7", "threshold:0.3", "alg1",
                                                    "vllm"])
     b.add_argument("--model", default="smollm2-135m-instruct")
-    b.add_argument("--drafter", default="dspark", choices=["dspark"])
+    b.add_argument("--drafter", default="dspark", choices=DRAFTERS,
+                   help="DSpark's block drafter (calibrated confidence head) or an EAGLE chain (calibrated path "
+                        "confidence)")
+    b.add_argument("--gamma", type=int, default=None,
+                   help="draft tokens per step: DSpark's block (default: its trained block), EAGLE's chain (default 5)")
     b.add_argument("--dtype", default="fast")
     b.add_argument("--max-new-tokens", type=int, default=32)
     b.add_argument("--temperature", type=float, default=0.0)
@@ -942,11 +975,11 @@ def _cmd_bench(a, argv) -> None:
     import json
     import sys
 
-    model, tok, drafter = _load(a.model, a.dtype, a.drafter)
+    model, tok, drafter, info = _load(a.model, a.dtype, a.drafter, a.gamma, a.temperature)
     res = run_sweep(model, tok, drafter, concurrencies=a.concurrency, policies=a.policy,
                     max_new_tokens=a.max_new_tokens, temperature=a.temperature, seed=a.seed,
                     forwards=tuple(a.forward))
-    res["settings"].update(model=a.model, drafter=a.drafter,
+    res["settings"].update(model=a.model, drafter=a.drafter, drafter_checkpoint=info,
                            command="python -m specbook.serving " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(markdown(res["rows"]))  # the simulator's validation is derived from it: serving.validate(res)
     if a.out:

@@ -613,15 +613,15 @@ class BlockDrafter(Drafter):
     def propose(self, state: SpecState) -> DraftTree:
         n = self._extend_context(state)
         emb, pos = self._block_inputs(state, n)
-        h = self.net.block(emb, pos, self.kv)[0, 1:]  # 2. ONE forward over [anchor, mask x gamma] -> [g, H]
+        h = self.net.block(emb, pos, self.kv)[:, 1:]  # 2. ONE forward over [anchor, mask x gamma] -> [1, g, H]
         self.forwards += 1
-        return self._draw(state, h)
+        return BlockDrafter._draw([self], [state], h)[0]
 
     @staticmethod
     @torch.inference_mode()
     def propose_batch(drafters: list["BlockDrafter"], states: list[SpecState]) -> list[DraftTree]:
         """``propose`` for several sequences sharing one network: ONE block forward over all of them (context K/V
-        padded to the longest, padding masked out), then each sequence's tokens drawn as in ``propose``."""
+        padded to the longest, padding masked out), then their tokens drawn together, position by position."""
         if len({id(d.net) for d in drafters}) > 1 or len({d.gamma for d in drafters}) > 1:
             return [d.propose(s) for d, s in zip(drafters, states)]
         ns = [d._extend_context(s) for d, s in zip(drafters, states)]
@@ -638,36 +638,56 @@ class BlockDrafter(Drafter):
         h = drafters[0].net.block(emb, pos, kv, mask.expand(-1, 1, Q, -1).to(emb.device))[:, 1:]  # [R, g, H]
         for d in drafters:
             d.forwards += 1
-        return [d._draw(s, h[i]) for i, (d, s) in enumerate(zip(drafters, states))]
+        same = all(s.sampling == states[0].sampling and s.generator is states[0].generator for s in states)
+        if not same:  # rows that sample differently are drawn one at a time
+            return [BlockDrafter._draw([d], [s], h[i:i + 1])[0] for i, (d, s) in enumerate(zip(drafters, states))]
+        return BlockDrafter._draw(drafters, states, h)
 
-    def _draw(self, state: SpecState, h: torch.Tensor) -> DraftTree:
-        """Step 3: h [g, H] the block's normed states -> tokens left to right (the Markov head reads x_{k-1}; the
-        survival a_k is known before x_k is drawn)."""
-        net, dev = self.net, self.W.device
-        base = h @ self.W.T  # [g, Vd]
-        toks, qs, a, zs, temps, prev = [], [], [], [], self._temps(state.sampling), state.tokens[-1]
-        for k in range(1, self.gamma + 1):
-            logits = base[k - 1]
+    @staticmethod
+    def _draw(drafters: list["BlockDrafter"], states: list[SpecState], h: torch.Tensor) -> list[DraftTree]:
+        """Step 3 for R rows sharing one network and one sampling config / generator: h [R, g, H] the blocks'
+        normed states -> per row its tokens, drawn left to right (the Markov head reads x_{k-1}; the survival a_k
+        is known before x_k is drawn). All rows advance together, one position at a time; a row whose own cut
+        rule stops it draws nothing more (so one uniform per live row per position, in row order: a single row
+        draws exactly what it would alone)."""
+        d0, state, R = drafters[0], states[0], len(drafters)
+        net, dev, sampling = d0.net, d0.W.device, state.sampling
+        base = h @ d0.W.T  # [R, g, Vd]
+        prev = torch.tensor([s.tokens[-1] for s in states], device=dev)  # [R] target ids
+        temps = d0._temps(sampling)
+        live = list(range(R))
+        toks, qs, a, zs = [[] for _ in range(R)], [[] for _ in range(R)], [[] for _ in range(R)], [[] for _ in range(R)]
+        for k in range(1, d0.gamma + 1):
+            logits = base[:, k - 1]  # [R, Vd]
             if net.rank:
-                w1 = net.markov(torch.tensor(prev, device=dev))
+                w1 = net.markov(prev)  # [R, r]
                 logits = logits + net.markov_w2(w1)
                 if net.confidence is not None:
-                    z = float(net.confidence_logit(h[k - 1], w1).float())
-                    zs.append(z)
-                    a.append((a[-1] if a else 1.0) / (1 + math.exp(-z / temps[k - 1])))
-                    if not self._keep(k, a):
-                        break
-            q = probs_from(logits.float(), state.sampling)
-            i = int(q.argmax()) if state.sampling.greedy else int(sample(q, state.generator))
-            prev = int(net.vocab[i])
-            toks.append(prev)
-            qs.append(q)
+                    z = net.confidence_logit(h[:, k - 1], w1).float().tolist()  # [R]
+                    for r in live:
+                        zs[r].append(z[r])
+                        a[r].append((a[r][-1] if a[r] else 1.0) / (1 + math.exp(-z[r] / temps[k - 1])))
+                    live = [r for r in live if drafters[r]._keep(k, a[r])]
+            if not live:
+                break
+            q = probs_from(logits[live].float(), sampling)  # [live, Vd]
+            i = q.argmax(-1) if sampling.greedy else sample(q, state.generator)
+            x = net.vocab[i]  # [live] target ids
+            prev[live] = x
+            for j, r in enumerate(live):
+                toks[r].append(int(x[j]))
+                qs[r].append(q[j])
+        return [d._drawn(t, qq, aa, zz) for d, t, qq, aa, zz in zip(drafters, toks, qs, a, zs)]
+
+    def _drawn(self, toks: list[int], qs: list[torch.Tensor], a: list[float], zs: list[float]) -> DraftTree:
+        """One row's draw -> its DraftTree (q over the target vocabulary); the survivals and confidence logits of the
+        proposed positions (and the first one cut) are kept in ``survival`` / ``confidence_logits``."""
         self.survival.append(a)
         self.confidence_logits.append(zs)
         if not toks:
             return DraftTree.chain(torch.zeros(0, dtype=torch.long), torch.zeros(0, self.V))
         t = torch.tensor(toks, dtype=torch.long)
-        q_full = torch.zeros(len(qs), self.V, device=dev).index_copy_(1, net.vocab, torch.stack(qs))  # [n, V]
+        q_full = torch.zeros(len(qs), self.V, device=self.W.device).index_copy_(1, self.net.vocab, torch.stack(qs))
         return DraftTree(t, torch.arange(-1, len(toks) - 1), q_full,
                          confidence=torch.tensor(a[:len(toks)]) if a else None)
 

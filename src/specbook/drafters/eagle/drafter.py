@@ -8,6 +8,7 @@ import math
 from typing import Literal, get_args
 
 import torch
+from torch import nn
 
 from ...decoding import Drafter, SpecState
 from ...roofline import auto_size, nodes_to_add
@@ -221,11 +222,28 @@ class EagleDrafter(EagleRunner):
     (``children``), each node's children taking its picks in rank order; lossless at any temperature."""
 
     def __init__(self, target, head: EagleHead, vocab: torch.Tensor | None = None, *,
-                 choices: list[tuple[int, ...]], children: ChildRule = "topk"):
+                 choices: list[tuple[int, ...]], children: ChildRule = "topk", calibration: float = 1.0):
         nodes, parents = tree_from_choices(choices)
         super().__init__(target, head, vocab, top_k=max(c[-1] for c in nodes) + 1, children=children)
+        if not (isinstance(calibration, (int, float)) and calibration > 0):
+            raise ValueError(f"calibration must be > 0 (confidence_calibration(card)), got {calibration!r}")
         self.nodes, self.parents = nodes, parents
         self.depth = max(len(c) for c in nodes)
+        self.gamma = len(nodes)  # draft tokens per step at most
+        self.calibration = float(calibration)
+        # a chain (one node per depth, ``tree.chain_choices``) reports survivals for serving.py's confidence
+        # policies (``_chains``): a_j = min(1, calibration x prod_{i<=j} max q_i), non-increasing in j
+        self.chain = len(nodes) == self.depth
+        self.confidences = self.chain
+
+    @torch.inference_mode()
+    def propose(self, state: SpecState) -> DraftTree:
+        """A chain is drafted by ``_chains`` (as ``propose_batch`` drafts many); any other tree by the tree code."""
+        return EagleDrafter._chains([self], [state])[0] if self.chain else super().propose(state)
+
+    def _survival(self, log_conf: list[float]) -> torch.Tensor:
+        """Cumulative log-confidences -> min(1, calibration x exp(.)) per node (1.0: the raw path confidence)."""
+        return (torch.tensor(log_conf, dtype=torch.float64).exp() * self.calibration).clamp(max=1.0).float()
 
     def _draft(self, f_root: torch.Tensor, start: int) -> DraftTree:
         """The spec's tree, one draft forward per depth. A node's children take the node's picks in rank order
@@ -267,7 +285,115 @@ class EagleDrafter(EagleRunner):
         parents = torch.tensor([new[c[:-1]] if len(c) > 1 else -1 for c in keep], dtype=torch.long)
         return DraftTree(torch.tensor([tok[c] for c in keep], dtype=torch.long), parents,
                          q=torch.stack([qrow[c] for c in keep]) if sampled else None,
-                         confidence=torch.tensor([score[c] for c in keep]).exp(), children=self.rule if sampled else None)
+                         confidence=self._survival([score[c] for c in keep]), children=self.rule if sampled else None)
+
+    @staticmethod
+    @torch.inference_mode()
+    def propose_batch(drafters: list["EagleDrafter"], states: list[SpecState]) -> list[DraftTree]:
+        """``propose`` for several sequences: chains sharing one head and one sampling config / generator are
+        drafted together (``_chains``); anything else one at a time."""
+        d0 = drafters[0]
+        together = all(type(d) is type(d0) and d.head is d0.head and d.chain and d.depth == d0.depth and
+                       d.rule == d0.rule for d in drafters) and \
+            all(s.sampling == states[0].sampling and s.generator is states[0].generator for s in states)
+        if not together:
+            return [d.propose(s) for d, s in zip(drafters, states)]
+        return EagleDrafter._chains(drafters, states)
+
+    @staticmethod
+    def _chains(drafters: list["EagleDrafter"], states: list[SpecState]) -> list[DraftTree]:
+        """R chains drafted together: ONE catch-up forward and ``depth`` - 1 chain forwards for all of them.
+
+        The sequences' draft caches are padded to the longest into one batch cache [R, nkv, C, hd] (row r's padding
+        masked out). The catch-up appends M = the most new positions of any row at slots C..C+M-1 (row r's first
+        m_r are real: causal among themselves, seeing its committed slots), and each row's real new K/V are copied
+        back into its own cache, so the sequences' caches hold their committed positions, as after ``propose``.
+        A row whose cache is empty (its prompt: hundreds of positions) is caught up alone first, so the batch pads
+        to a step's few new tokens. Depth d then appends one slot per row at C + M + d - 1 (position n_r + d - 1)
+        that sees row r's real slots and its own chain. The picks are ``_pick``'s, row by row in order (one row
+        draws what the tree code draws for the same chain).
+
+        Survivals: a_j = min(1, calibration x prod_{i<=j} max q_i), q_i the draft's T = 1 distribution at position i
+        (EAGLE-2's confidence of a top pick). Each factor is known before x_i is drawn, as DSpark's confidence is:
+        the sampled token's own q(x_i) would let a scheduler's decision to verify x_i depend on x_i (DSpark's
+        Appendix A bias; tests/test_serving.py checks the chains stay lossless under Algorithm 1). At T = 0 the pick
+        is the top one, so this is EAGLE-2's path confidence."""
+        d0, R = drafters[0], len(drafters)
+        for d, s in zip(drafters, states):
+            d._sampling, d._gen = s.sampling, s.generator
+        if d0._sampled() and states[0].generator is None:
+            raise ValueError(f"children={d0.rule!r} samples the draft at T > 0: it needs the loop's generator")
+        alone = {r: d._catch_up(s) for r, (d, s) in enumerate(zip(drafters, states)) if d.n_cached == 0}
+        f, cache, seen = EagleDrafter._catch_up_together(drafters, states, alone)  # [R, H], batch cache, [R, C + M]
+        n = [d.n_cached for d in drafters]
+        dev, dt = d0.W.device, d0.W.dtype
+        toks, qrows = [[] for _ in range(R)], [[] for _ in range(R)]
+        logc, top = torch.zeros(R, dtype=torch.float64), []  # top: per depth the cumulative log max q [R]
+        for depth in range(d0.depth):
+            if depth:
+                allowed = torch.cat([seen, torch.ones(R, depth, dtype=torch.bool, device=dev)], 1)
+                emb = d0.E(torch.tensor([[t[-1]] for t in toks], device=dev)).to(dt)  # [R, 1, H]
+                f = d0.head(emb, f[:, None], position_ids=torch.tensor(n, device=dev)[:, None] + depth - 1,
+                            attention_mask=additive_mask(allowed, dt)[:, None, None], cache=cache)[:, 0]
+            logits = d0._logits(f)  # [R, Vd]
+            best = torch.log_softmax(logits.float(), -1).max(-1)
+            logc = logc + best.values.double().cpu()
+            top.append(logc)
+            picks = (d0._draw_from(probs_from(logits, d0._sampling), [1] * R) if d0._sampled()
+                     else [(d0._ids(best.indices[r:r + 1]), None, None) for r in range(R)])  # as ``_pick`` picks
+            for r, (ids, _, rows) in enumerate(picks):
+                toks[r].append(ids[0])
+                qrows[r].append(rows)
+        for d in drafters:
+            d.forwards += d0.depth - 1
+        conf = torch.stack(top, 1)  # [R, depth]
+        return [DraftTree(torch.tensor(t, dtype=torch.long), torch.arange(-1, len(t) - 1),
+                          q=torch.cat(q) if q[0] is not None else None, confidence=d._survival(conf[r].tolist()),
+                          children=d.rule if q[0] is not None else None)
+                for r, (d, t, q) in enumerate(zip(drafters, toks, qrows))]
+
+    @staticmethod
+    def _catch_up_together(drafters: list["EagleDrafter"], states: list[SpecState], done: dict[int, torch.Tensor]):
+        """``_catch_up`` for every row not in ``done`` (row -> its f^ already computed) in ONE forward over a padded
+        batch cache -> (f^ of each newest token [R, H], the batch cache, its real slots per row [R, C + M])."""
+        from transformers import DynamicCache
+
+        d0, R = drafters[0], len(drafters)
+        dev, dt, H = d0.W.device, d0.W.dtype, d0.W.shape[1]
+        old = [d.n_cached for d in drafters]
+        m = [0 if r in done else len(s.tokens) - 1 - old[r] for r, s in enumerate(states)]
+        for r, (d, s) in enumerate(zip(drafters, states)):
+            if m[r] and m[r] != s.target_hidden.shape[0]:
+                raise RuntimeError(f"EAGLE draft cache holds {old[r]} positions but the new target features start at "
+                                   f"{len(s.tokens) - 1 - s.target_hidden.shape[0]}: call begin() for a new sequence")
+        C, M = max(old), max(m)
+        cache = DynamicCache(config=d0.head.config)
+        ks, vs = zip(*[(d.cache.layers[0].keys, d.cache.layers[0].values) for d in drafters])
+        cache.update(torch.cat([nn.functional.pad(k, (0, 0, 0, C - k.shape[2])) for k in ks]),
+                     torch.cat([nn.functional.pad(v, (0, 0, 0, C - v.shape[2])) for v in vs]), 0)
+        slots = torch.arange(C + M, device=dev)[None]
+        real = torch.tensor(old, device=dev)[:, None]
+        seen = (slots < real) | ((slots >= C) & (slots < C + torch.tensor(m, device=dev)[:, None]))  # [R, C + M]
+        f = torch.stack([done[r] if r in done else torch.zeros(H, dtype=dt, device=dev) for r in range(R)])
+        if M == 0:
+            return f, cache, seen
+        emb = torch.zeros(R, M, H, dtype=dt, device=dev)
+        feats = torch.zeros(R, M, states[0].target_hidden.shape[-1], dtype=dt, device=dev)
+        for r, s in enumerate(states):
+            if m[r]:
+                emb[r, :m[r]] = d0._embed(s.tokens[old[r] + 1:])[0]
+                feats[r, :m[r]] = s.target_hidden.to(dt)
+        i = torch.arange(M, device=dev)
+        allowed = torch.cat([seen[:, None, :C].expand(R, M, C),  # committed slots, then causal among the new
+                             (i[None, None, :] <= i[None, :, None]).expand(R, M, M)], 2)  # [R, M, C + M]
+        out = d0.head(emb, d0._features_in(feats), position_ids=real + i[None],
+                      attention_mask=additive_mask(allowed, dt)[:, None], cache=cache)
+        for r, d in enumerate(drafters):
+            if m[r]:
+                d.cache.update(cache.layers[0].keys[r:r + 1, :, C:C + m[r]], cache.layers[0].values[r:r + 1, :, C:C + m[r]], 0)
+                d.n_cached, f[r] = old[r] + m[r], out[r, m[r] - 1]
+                d.forwards += 1
+        return f, cache, seen
 
 
 class Eagle2Drafter(EagleRunner):
