@@ -237,6 +237,19 @@ def test_eagle_chain_serves_with_its_path_confidence(target, policy):
         S.serve(target, reqs, policy="alg1", drafter=tree, curve=curve)
 
 
+def test_a_tree_draft_is_refused_at_run_time(target):
+    """A drafter without the ``chain`` flag whose proposal is a tree (two siblings) is refused with a clear error
+    when it drafts, not verified as if it were a chain."""
+
+    class Siblings(DraftModelDrafter):
+        def propose(self, state):
+            return DraftTree(torch.tensor([1, 2]), torch.tensor([-1, -1]))
+
+    with pytest.raises(ValueError, match="proposed a tree"):
+        S.serve(target, S.closed_loop(PROMPTS[:2], 4), policy="fixed:2", drafter=Siblings(_draft(9), gamma=2),
+                concurrency=2, eos_token_id=-1)
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_serving_on_the_static_cache_equals_transformers_cache(target, compile, monkeypatch):
     """The packed row as a FastTarget's static cache (eager, and compiled on a few buckets), started too small for
@@ -469,3 +482,18 @@ def test_sweep_forwards_and_the_simulators_rows(target):
     assert S.sim_rows({"settings": {"forwards": ["hf", "compiled"]}, "rows": rows}) == [rows[1]]
     old = [{"policy": "none"}, {"policy": "alg1"}]
     assert S.sim_rows({"settings": {}, "rows": old}) == old
+
+
+def test_results_page_says_where_algorithm_1_sits():
+    """The results page's serving summary by hand: Algorithm 1 over no speculation and the longest fixed k at the
+    highest concurrency, over the best fixed k at the lowest, and where each fixed k falls below no speculation."""
+    from specbook.report import _policy_ratios
+
+    thr = {(1, "none"): 10, (1, "fixed:1"): 12, (1, "fixed:3"): 15, (1, "alg1"): 14,
+           (4, "none"): 20, (4, "fixed:1"): 22, (4, "fixed:3"): 18, (4, "alg1"): 26}
+    rows = [{"concurrency": c, "policy": p, "forward": "hf", "throughput": t} for (c, p), t in thr.items()]
+    rows.append({"concurrency": 4, "policy": "none", "forward": "compiled", "throughput": 99.0})  # not the first mode
+    assert _policy_ratios(rows) == ("Algorithm 1 at c = 4: 1.30x no speculation, 1.44x fixed:3; at c = 1: 0.93x the "
+                                    "best fixed k (fixed:3). Fixed k below no speculation: fixed:1 at no level; "
+                                    "fixed:3 at c = 4.\n\n")
+    assert _policy_ratios([r for r in rows if r["policy"] != "alg1"]) == ""

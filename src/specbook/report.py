@@ -261,8 +261,12 @@ def serving_section(name: str, d: dict) -> str:
         f"No full-block run (fixed:{s['gamma']}) in this sweep, so no acceptance traces: the simulator is not "
         "validated against it.\n")
     if ck := s.get("drafter_checkpoint"):
-        head += (f"\nDrafter: {ck['checkpoint']} (corpus {ck.get('corpus_sha')}, {ck.get('steps')} steps), "
-                 f"survival calibration {ck.get('calibration')}.\n")
+        cal = ck.get("calibration")
+        mode = "greedy" if s["temperature"] == 0 else "sampled"  # the temperatures the run's drafter read
+        cal = (f"per-position temperatures ({mode}) {', '.join(f'{t:.2f}' for t in cal[mode])}"
+               if isinstance(cal, dict) and mode in cal else f"x {cal:.3f}" if isinstance(cal, float) else "none")
+        head += (f"\nDrafter: {ck['checkpoint']} (corpus {ck.get('corpus_sha')}, {ck.get('steps')} steps); survival "
+                 f"calibration: {cal}.\n")
     warm = sum(f.get("warmup_total_s", 0) for f in s.get("fast", {}).values())
     if warm:
         head += (f"\nCompiled graphs built before the clock: {warm:.0f} s (every reachable bucket, with and without "
@@ -282,8 +286,8 @@ def _policy_ratios(rows: list[dict]) -> str:
         return ""
     hi, lo = cs[-1], cs[0]
     best = max(fixed, key=lambda p: by.get((lo, p), 0.0))
-    below = "; ".join(f"{p} at c = {', '.join(str(c) for c in cs if by.get((c, p), 1e9) < by[(c, 'none')]) or 'none'}"
-                      for p in fixed)
+    under = {p: [str(c) for c in cs if by.get((c, p), float("inf")) < by.get((c, "none"), 0.0)] for p in fixed}
+    below = "; ".join(f"{p} at c = {', '.join(v)}" if v else f"{p} at no level" for p, v in under.items())
     return (f"Algorithm 1 at c = {hi}: {by[(hi, 'alg1')] / by[(hi, 'none')]:.2f}x no speculation, "
             f"{by[(hi, 'alg1')] / by[(hi, fixed[-1])]:.2f}x {fixed[-1]}; at c = {lo}: "
             f"{by[(lo, 'alg1')] / by[(lo, best)]:.2f}x the best fixed k ({best}). "
