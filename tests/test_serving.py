@@ -469,6 +469,35 @@ def test_simulate_cli_on_the_committed_sweep(tmp_path, capsys):
     assert len(sim["validation"]) == len(sweep["rows"])
 
 
+def test_sim_costs_recover_the_costs_a_simulation_ran_with():
+    """A sweep made by the simulator itself (known costs, a linear step curve so that steps x seconds(mean B) is exact):
+    ``sim_costs`` fits every cost back, and the held-out validation (each concurrency simulated with costs fitted to
+    the others) reproduces every run."""
+    g = torch.Generator().manual_seed(0)
+    traces = []
+    for _ in range(6):
+        recs = []
+        for _ in range(12):
+            c = torch.rand(5, generator=g).clamp(0.05, 0.95)
+            match = int((torch.rand(5, generator=g) < c).int().cumprod(0).sum())
+            recs.append({"survival": c.cumprod(0).tolist(), "match": match})
+        traces.append(recs)
+    curve = S.StepCurve({1: 0.010, 256: 0.010 + 255 * 0.0004})  # seconds(B) = 0.0096 + 0.0004 B
+    true = S.SimCosts(curve, draft_s=0.002, prefill_s=0.05, request_s=0.001, draft_step_s=0.004, token_s=0.00005,
+                      prefill_running_s=0.003)
+    rows = [S.simulate(traces, p, c, true, requests=max(2 * c, 6), max_new_tokens=24)
+            for c in (1, 2, 4, 8) for p in ("none", "fixed:1", "fixed:3", "alg1")]
+    sweep = {"settings": {"max_new_tokens": 24}, "curve": curve.to_json(), "rows": rows, "traces": traces}
+    got = S.sim_costs(sweep)
+    for k in ("draft_s", "prefill_s", "request_s", "draft_step_s", "token_s", "prefill_running_s"):
+        assert getattr(got, k) == pytest.approx(getattr(true, k), rel=1e-6, abs=1e-9), k
+    assert max(abs(v["error"]) for v in S.validate(sweep)) < 1e-6
+    bad = S.SimCosts(curve, draft_s=0.02, prefill_s=0.05)  # the check is not vacuous: other costs give other runs
+    ref = next(r for r in rows if (r["concurrency"], r["policy"]) == (4, "fixed:3"))
+    assert abs(S.simulate(traces, "fixed:3", 4, bad, requests=8, max_new_tokens=24)["throughput"] /
+               ref["throughput"] - 1) > 0.1
+
+
 def test_sweep_forwards_and_the_simulators_rows(target):
     """The sweep's forward modes: each mode's target (an unknown one refused by name), and the simulator modelling
     only the first mode's rows of a side-by-side sweep (a sweep without modes: every row)."""

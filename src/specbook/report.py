@@ -256,8 +256,9 @@ def serving_section(name: str, d: dict) -> str:
             f"`{s.get('command', 'run_sweep(...) from Python')}`\n")
     rows = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in d["rows"]]
     errs = sorted(abs(v["error"]) for v in validate(d)) if d["traces"] else []
-    sim = (f"Simulator (`serving.simulate`, the same traces and costs) against these runs: median error "
-           f"{100 * errs[len(errs) // 2]:.1f}%, worst {100 * errs[-1]:.1f}% over {len(errs)} runs.\n") if errs else (
+    sim = (f"Simulator (`serving.simulate`: these traces; each concurrency's runs simulated with costs fitted to the "
+           f"other concurrencies' runs) against these runs: median error {100 * errs[len(errs) // 2]:.1f}%, worst "
+           f"{100 * errs[-1]:.1f}% over {len(errs)} runs.\n") if errs else (
         f"No full-block run (fixed:{s['gamma']}) in this sweep, so no acceptance traces: the simulator is not "
         "validated against it.\n")
     if ck := s.get("drafter_checkpoint"):

@@ -438,6 +438,7 @@ class ServeResult:
     compile_s: float = 0.0  # a compiled FastTarget's graph builds before the clock started
     compile_in_clock_s: float = 0.0  # graph builds during the run (a bucket not warmed, a grown row): inside the clock
     grown: int = 0  # times a static packed row had to be reallocated larger (0 when its start capacity sufficed)
+    joined_beside: int = 0  # requests already running, summed over the joins (their caches are in the prefill's row)
 
     @property
     def tokens(self) -> int:
@@ -459,9 +460,10 @@ class ServeResult:
                 "verified_per_step": ver / max(len(steps), 1),
                 "accepted_per_step": acc / max(len(steps), 1), "acceptance": acc / ver if ver else None,
                 "batch_tokens_mean": sum(s.batch_tokens for s in steps) / max(len(steps), 1),
+                "token_requests": sum(s.batch_tokens * s.requests for s in steps),  # sum over steps of B x R
                 "draft_s": sum(s.draft_s for s in steps), "verify_s": sum(s.verify_s for s in steps),
                 "prefill_s": sum(s.prefill_s for s in self.steps), "compile_s": self.compile_s,
-                "compile_in_clock_s": self.compile_in_clock_s, "grown": self.grown}
+                "compile_in_clock_s": self.compile_in_clock_s, "grown": self.grown, "joined_beside": self.joined_beside}
 
 
 def check_drafter(policy: Policy, drafter: Drafter | None) -> None:
@@ -517,7 +519,8 @@ def serve(target, requests: list[Request], *, policy: str | Policy = "none", dra
     bar.close()
     loop.results.sort(key=lambda x: x.rid)
     late = loop.compiled_s() - compile_s
-    return ServeResult(str(pol), concurrency, loop.results, loop.steps, loop.clock, compile_s, late, loop.kv.grown)
+    return ServeResult(str(pol), concurrency, loop.results, loop.steps, loop.clock, compile_s, late, loop.kv.grown,
+                       loop.joined_beside)
 
 
 def packed_capacity(target, requests: list[Request], concurrency: int, drafter: Drafter | None) -> int | None:
@@ -548,6 +551,7 @@ class _Loop:
         self.results: list[RequestResult] = []
         self.steps: list[StepRecord] = []
         self.clock = 0.0
+        self.joined_beside = 0
 
     def compiled_s(self) -> float:
         """Seconds this call's FastTarget has spent compiling so far (since the loop began)."""
@@ -611,6 +615,7 @@ class _Loop:
             self.clock = queue[0].arrival
         prefill_s = 0.0
         while queue and len(self.running) < concurrency and queue[0].arrival <= self.clock + prefill_s:
+            self.joined_beside += len(self.running)
             prefill_s += self.join(queue.pop(0), self.clock + prefill_s)
         self.clock += prefill_s
         live = [i for i, r in enumerate(self.running) if not done(r.new, self.eos, r.req.max_new_tokens)]
@@ -713,14 +718,25 @@ def expected_rate(survivals: list[list[float]], ell: list[int], curve: StepCurve
 
 @dataclass
 class SimCosts:
-    """What a simulated step costs: ``curve`` = SPS(B) of the target, ``draft_s`` = one request's drafting per step,
-    ``prefill_s`` = one request's join (its prefill forward), ``request_s`` = what each running request adds to a
-    step beyond seconds(B) (its verification, bookkeeping and attention over its own cache)."""
+    """What a simulated step costs, each term fitted to a sweep's real runs (``sim_costs``):
+
+    curve                  SPS(B) of the target (a step's forward over B tokens costs seconds(B))
+    draft_s, draft_step_s  drafting: per running request per step, and per step whatever the batch (a batched
+                           drafter's forwards)
+    request_s, token_s     what a step costs beyond seconds(B): per running request (its verification and
+                           bookkeeping), and per batch token x running request (the packed row's dense mask: every
+                           token's attention spans all running requests' caches, so this part grows as B x R)
+    prefill_s              one join's prefill forward, + ``prefill_running_s`` per request already running (its
+                           cache is in the packed row the prefill attends over)
+    """
 
     curve: StepCurve
     draft_s: float
     prefill_s: float
     request_s: float = 0.0
+    draft_step_s: float = 0.0
+    token_s: float = 0.0
+    prefill_running_s: float = 0.0
 
 
 def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, costs: SimCosts, *,
@@ -728,9 +744,9 @@ def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, c
     """A SIMULATION of the serving loop: ``requests`` requests (default 2 x concurrency) in a closed loop, request i
     replaying acceptance trace ``traces[i % len(traces)]`` (each record: the full block's survivals and ``match`` =
     how many of its tokens the target accepted when the whole block was verified), cycling through its records.
-    A step verifies l_r = the policy's prefix length and accepts min(l_r, match); it costs R x draft_s (when the
-    policy drafts) + seconds(B) of the step curve + R x request_s + a prefill per join. Returns the summary fields
-    ``serve`` reports."""
+    A step verifies l_r = the policy's prefix length and accepts min(l_r, match); it costs draft_step_s + R x draft_s
+    (when the policy drafts) + seconds(B) of the step curve + R x request_s + B x R x token_s, and each join a prefill
+    (prefill_s + prefill_running_s per request already running). Returns the summary fields ``serve`` reports."""
     pol = policy if isinstance(policy, Policy) else parse_policy(policy)
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
@@ -740,12 +756,15 @@ def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, c
     n_req = requests or 2 * concurrency
     queue = list(range(n_req))
     running: list[dict] = []
-    clock, tokens, steps, verified, accepted, btok = 0.0, 0, 0, 0, 0, 0
+    tokens, steps, verified, accepted, btok = 0, 0, 0, 0, 0
+    split = {"draft_s": 0.0, "verify_s": 0.0, "prefill_s": 0.0, "request_steps": 0, "joined_beside": 0,
+             "token_requests": 0}
     while queue or running:
         while queue and len(running) < concurrency:
             i = queue.pop(0)
+            split["prefill_s"] += costs.prefill_s + costs.prefill_running_s * len(running)
+            split["joined_beside"] += len(running)
             running.append({"trace": usable[i % len(usable)], "at": 0, "new": 1, "stale": None})
-            clock += costs.prefill_s
             tokens += 1
         recs = [r["trace"][r["at"] % len(r["trace"])] for r in running]
         surv = [rec["survival"] for rec in recs]
@@ -753,8 +772,10 @@ def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, c
         ell = schedule(pol, surv, lengths, costs.curve, [r["stale"] for r in running]) if pol.drafts \
             else [0] * len(running)
         B = sum(1 + n for n in ell)
-        clock += (len(running) * costs.draft_s if pol.drafts else 0.0) + costs.curve.seconds(B) + \
-            len(running) * costs.request_s
+        split["draft_s"] += costs.draft_step_s + len(running) * costs.draft_s if pol.drafts else 0.0
+        split["verify_s"] += costs.curve.seconds(B) + len(running) * costs.request_s + B * len(running) * costs.token_s
+        split["request_steps"] += len(running)
+        split["token_requests"] += B * len(running)
         steps, btok = steps + 1, btok + B
         for r, rec, n in zip(running, recs, ell):
             acc = min(n, rec["match"])
@@ -766,8 +787,9 @@ def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, c
             r["at"] += 1
             r["stale"] = rec["survival"]
         running = [r for r in running if r["new"] < max_new_tokens]
+    clock = split["draft_s"] + split["verify_s"] + split["prefill_s"]
     return {"policy": str(pol), "concurrency": concurrency, "requests": n_req, "tokens": tokens, "seconds": clock,
-            "throughput": tokens / clock, "steps": steps, "batch_tokens_mean": btok / steps,
+            "throughput": tokens / clock, "steps": steps, "batch_tokens_mean": btok / steps, **split,
             "verified_per_step": verified / steps, "accepted_per_step": accepted / steps, "simulated": True}
 
 
@@ -886,30 +908,65 @@ def sim_rows(result: dict) -> list[dict]:
     return [r for r in result["rows"] if r.get("forward") == first]
 
 
-def sim_costs(result: dict) -> SimCosts:
-    """The simulator's costs from a sweep: its step curve, the drafting / prefill seconds per request measured in the
-    real runs (means over the drafting runs and over all joins), and the per-request step overhead beyond the curve
-    (median over the runs)."""
-    rows = sim_rows(result)
-    drafting = [r for r in rows if r["policy"] != "none"]
-    draft_s = sum(r["draft_s"] for r in drafting) / max(sum(r["request_steps"] for r in drafting), 1)
-    prefill_s = sum(r["prefill_s"] for r in rows) / max(sum(r["requests"] for r in rows), 1)
+def _nonneg_lstsq(X: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0: a negative one is set to 0 and the rest refitted."""
+    import numpy as np
+
+    A, b = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
+    free = list(range(A.shape[1]))
+    coef = np.zeros(A.shape[1])
+    while free:
+        sol = np.linalg.lstsq(A[:, free], b, rcond=None)[0]
+        if (sol >= 0).all():
+            coef[free] = sol
+            break
+        free = [f for f, v in zip(free, sol) if v > 0]
+    return coef.tolist()
+
+
+def _joined_beside(r: dict) -> float:
+    """Requests already running, summed over a run's joins: as recorded, or for a sweep recorded without it, a closed
+    loop's estimate (the first c joins find 0..c-1, each later one c - 1: it replaces a request that left)."""
+    if "joined_beside" in r:
+        return r["joined_beside"]
+    c, n = min(r["concurrency"], r["requests"]), r["requests"]
+    return c * (c - 1) / 2 + (n - c) * (c - 1)
+
+
+def sim_costs(result: dict, rows: list[dict] | None = None) -> SimCosts:
+    """The simulator's costs, fitted by least squares (coefficients >= 0) to a sweep's real runs (``rows``, default
+    ``sim_rows(result)``): drafting seconds = draft_step_s x steps + draft_s x request steps (the drafting runs);
+    prefill seconds = prefill_s x joins + prefill_running_s x requests already running at them; verification seconds
+    beyond steps x seconds(mean B) = request_s x request steps + token_s x sum of B x R over the steps (for a sweep
+    recorded without that sum: request steps x mean B)."""
+    rows = sim_rows(result) if rows is None else rows
     curve = StepCurve.from_json(result["curve"])
-    # each run's verify time beyond its steps' seconds(B), per running request and step; the median over runs
-    extra = sorted(max(0.0, r["verify_s"] - r["steps"] * curve.seconds(r["batch_tokens_mean"])) / r["request_steps"]
-                   for r in rows if r["request_steps"])
-    return SimCosts(curve, draft_s, prefill_s, extra[len(extra) // 2] if extra else 0.0)
+    drafting = [r for r in rows if r["policy"] != "none" and r["steps"]]
+    a, b = _nonneg_lstsq([[r["steps"], r["request_steps"]] for r in drafting], [r["draft_s"] for r in drafting]) \
+        if drafting else (0.0, 0.0)
+    p0, p1 = _nonneg_lstsq([[r["requests"], _joined_beside(r)] for r in rows], [r["prefill_s"] for r in rows])
+    ran = [r for r in rows if r["steps"]]
+    e_req, e_tok = _nonneg_lstsq([[r["request_steps"], r.get("token_requests", r["request_steps"] *
+                                                             r["batch_tokens_mean"])] for r in ran],
+                                 [r["verify_s"] - r["steps"] * curve.seconds(r["batch_tokens_mean"]) for r in ran])
+    return SimCosts(curve, draft_s=b, prefill_s=p0, request_s=e_req, draft_step_s=a, token_s=e_tok,
+                    prefill_running_s=p1)
 
 
 def validate(result: dict) -> list[dict]:
-    """The simulator against every real run of a sweep: (concurrency, policy, real, simulated, relative error)."""
-    costs, out = sim_costs(result), []
+    """The simulator against every real run of a sweep, each concurrency level held out: its runs are simulated with
+    costs fitted to the OTHER levels' runs (all of them when the sweep has one level) -> (concurrency, policy, real,
+    simulated, relative error)."""
+    rows, out = sim_rows(result), []
     mx = result["settings"]["max_new_tokens"]
-    for r in sim_rows(result):
-        s = simulate(result["traces"], r["policy"], r["concurrency"], costs, requests=r["requests"],
-                     max_new_tokens=mx)
-        out.append({"concurrency": r["concurrency"], "policy": r["policy"], "real": r["throughput"],
-                    "simulated": s["throughput"], "error": s["throughput"] / r["throughput"] - 1})
+    levels = sorted({r["concurrency"] for r in rows})
+    for c in levels:
+        costs = sim_costs(result, [r for r in rows if r["concurrency"] != c] if len(levels) > 1 else rows)
+        for r in (r for r in rows if r["concurrency"] == c):
+            s = simulate(result["traces"], r["policy"], r["concurrency"], costs, requests=r["requests"],
+                         max_new_tokens=mx)
+            out.append({"concurrency": r["concurrency"], "policy": r["policy"], "real": r["throughput"],
+                        "simulated": s["throughput"], "error": s["throughput"] / r["throughput"] - 1})
     return out
 
 
@@ -999,8 +1056,8 @@ def _cmd_simulate(a, argv) -> None:
     if a.out:
         a.out.write_text(json.dumps({"note": "SIMULATED: traces replayed against a measured step curve",
                                      "source": str(a.bench_json), "validation": validate(res), "rows": rows,
-                                     "costs": {"draft_s": costs.draft_s, "prefill_s": costs.prefill_s,
-                                               "curve": costs.curve.to_json()}}, indent=1))
+                                     "costs": {k: (v.to_json() if k == "curve" else v)
+                                               for k, v in vars(costs).items()}}, indent=1))
 
 
 if __name__ == "__main__":
