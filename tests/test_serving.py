@@ -156,6 +156,10 @@ def test_bad_input(target):
         S.serve(target, [])
     with pytest.raises(ValueError, match="rate"):
         S.poisson_trace([[0]], 4, rate=0)
+    with pytest.raises(ValueError, match="drafter must be one of"):  # the CLI's loader, before any model loads
+        S._load("smollm2-135m-instruct", "fast", "medusa")
+    with pytest.raises(ValueError, match="gamma"):
+        S._load("smollm2-135m-instruct", "fast", "eagle", gamma=0)
 
 
 # ---------------------------------------------------------------- greedy identity, joins and leaves

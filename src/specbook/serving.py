@@ -808,7 +808,7 @@ def _load(model_name: str, dtype: str, kind: str, gamma: int | None = None, temp
     (default 5; children drawn from q at T > 0) whose survivals are its top-1 path confidence x the card's
     calibration at this temperature (``EagleDrafter._chains``). Returns
     (model, tokenizer, drafter, {"checkpoint", "corpus_sha", "steps", "calibration"})."""
-    from .drafters.dflash import BlockDrafter, load_block
+    from .drafters.dflash import BlockDrafter, check_gamma, load_block
     from .drafters.eagle import EagleDrafter, confidence_calibration, load_eagle
     from .models import load_model
     from .train import CKPT_DIR
@@ -816,6 +816,8 @@ def _load(model_name: str, dtype: str, kind: str, gamma: int | None = None, temp
 
     if kind not in DRAFTERS:
         raise ValueError(f"drafter must be one of {DRAFTERS}, got {kind!r}")
+    if gamma is not None:
+        check_gamma(gamma)
     model, tok = load_model(model_name, dtype=dtype)
     if kind == "eagle":
         head, vocab, card = load_eagle(model, CKPT_DIR / "eagle")
