@@ -526,6 +526,7 @@ def test_results_page_says_where_algorithm_1_sits():
            (4, "none"): 20, (4, "fixed:1"): 22, (4, "fixed:3"): 18, (4, "alg1"): 26}
     rows = [{"concurrency": c, "policy": p, "forward": "hf", "throughput": t} for (c, p), t in thr.items()]
     rows.append({"concurrency": 4, "policy": "none", "forward": "compiled", "throughput": 99.0})  # not the first mode
+    rows = S.sim_rows({"settings": {"forwards": ["hf", "compiled"]}, "rows": rows})
     assert _policy_ratios(rows) == ("Algorithm 1 at c = 4: 1.30x no speculation, 1.44x fixed:3; at c = 1: 0.93x the "
                                     "best fixed k (fixed:3). Fixed k below no speculation: fixed:1 at no level; "
                                     "fixed:3 at c = 4.\n\n")

@@ -30,6 +30,13 @@ def crop_to(cache, length: int) -> None:
         cache.crop(length - cur)  # negative: number of tokens to remove
 
 
+def right_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence K or V [1, h, n_r, d] -> one batch [R, h, max n_r, d], each row zero-padded after its n_r slots
+    (the caller masks the padding out)."""
+    C = max(t.shape[2] for t in rows)
+    return torch.cat([torch.nn.functional.pad(t, (0, 0, 0, C - t.shape[2])) for t in rows])
+
+
 def keep_positions(cache, start: int, keep: torch.Tensor) -> None:
     """Keep positions [0, start) plus ``start + keep`` (ascending offsets) in every layer; drop the rest.
 

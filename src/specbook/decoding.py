@@ -323,6 +323,12 @@ class Drafter:
         return [d.propose(s) for d, s in zip(drafters, states)]
 
 
+def shared_sampling(states: list[SpecState]) -> bool:
+    """Whether every sequence samples with the same config and the same generator (a ``propose_batch`` may then
+    draw all their tokens in one call, one uniform per row in row order)."""
+    return all(s.sampling == states[0].sampling and s.generator is states[0].generator for s in states)
+
+
 @dataclass(frozen=True)
 class Typical:
     """Medusa's typical acceptance with its two knobs (Cai et al. 2024, sec. 2.3.1; the paper's defaults): a token

@@ -247,7 +247,7 @@ def _steps_label(c: dict) -> str:
 def serving_section(name: str, d: dict) -> str:
     """A serving sweep (``python -m specbook.serving bench``): every policy at every concurrency, and how close the
     trace-driven simulator comes to those real runs."""
-    from .serving import markdown, validate
+    from .serving import markdown, sim_rows, validate
 
     s, m = d["settings"], d["machine"]
     head = (f"## {name}\n\n{m.get('cpu', m.get('platform', '?'))}, {s.get('threads', '?')} threads, {s['dtype']}, "
@@ -272,15 +272,14 @@ def serving_section(name: str, d: dict) -> str:
     if warm:
         head += (f"\nCompiled graphs built before the clock: {warm:.0f} s (every reachable bucket, with and without "
                  "hidden states, at each row capacity), outside every figure.\n")
-    return head + "\n" + markdown(rows) + "\n\n" + _policy_ratios(d["rows"]) + _forward_ratios(d["rows"]) + sim
+    return head + "\n" + markdown(rows) + "\n\n" + _policy_ratios(sim_rows(d)) + _forward_ratios(d["rows"]) + sim
 
 
 def _policy_ratios(rows: list[dict]) -> str:
-    """Where Algorithm 1 sits (the first forward mode's rows): at the highest concurrency its throughput over no
-    speculation and over the longest fixed k; at the lowest, over the best fixed k; and the concurrencies at which
-    each fixed k falls below no speculation."""
-    first = next((r["forward"] for r in rows if "forward" in r), None)
-    by = {(r["concurrency"], r["policy"]): r["throughput"] for r in rows if r.get("forward") == first}
+    """Where Algorithm 1 sits in one forward mode's rows (``serving.sim_rows``: the sweep's first): at the highest
+    concurrency its throughput over no speculation and over the longest fixed k; at the lowest, over the best fixed k;
+    and the concurrencies at which each fixed k falls below no speculation."""
+    by = {(r["concurrency"], r["policy"]): r["throughput"] for r in rows}
     cs = sorted({c for c, _ in by})
     fixed = sorted({p for _, p in by if p.startswith("fixed:")}, key=lambda p: int(p.split(":")[1]))
     if not cs or not fixed or any((c, p) not in by for c in (cs[0], cs[-1]) for p in ("none", "alg1")):

@@ -602,7 +602,7 @@ class _Loop:
         if live and self.pol.drafts:
             rs = [self.running[i] for i in live]
             for i, d in zip(live, type(self.drafter).propose_batch([r.drafter for r in rs], [r.state for r in rs])):
-                if d.parents.tolist() != list(range(-1, len(d) - 1)):
+                if not d.is_chain:
                     raise ValueError(f"{type(self.drafter).__name__} proposed a tree; the serving loop verifies "
                                      "chains (one causal segment per request)")
                 drafts[i] = fit_draft(d, len(self.running[i].state.tokens) - 1, self.ctx)

@@ -55,8 +55,9 @@ import math
 import torch
 from torch import nn
 
+from ..cache import right_padded
 from ..calibration import auroc, brier, ece
-from ..decoding import Drafter, SpecState
+from ..decoding import Drafter, SpecState, shared_sampling
 from ..sampling import probs_from, sample
 from ..verify import DraftTree
 from . import RMSNorm32, head_rows
@@ -628,18 +629,14 @@ class BlockDrafter(Drafter):
         inputs = [d._block_inputs(s, n) for d, s, n in zip(drafters, states, ns)]
         emb, pos = torch.cat([e for e, _ in inputs]), torch.cat([p for _, p in inputs])
         C, Q = max(d.n_ctx for d in drafters), emb.shape[1]
-        kv = []
-        for layer in range(len(drafters[0].net.layers)):
-            ks = [torch.nn.functional.pad(d.kv[layer][0], (0, 0, 0, C - d.n_ctx)) for d in drafters]
-            vs = [torch.nn.functional.pad(d.kv[layer][1], (0, 0, 0, C - d.n_ctx)) for d in drafters]
-            kv.append((torch.cat(ks), torch.cat(vs)))
+        kv = [(right_padded([d.kv[layer][0] for d in drafters]), right_padded([d.kv[layer][1] for d in drafters]))
+              for layer in range(len(drafters[0].net.layers))]
         ctx_ok = torch.arange(C)[None] < torch.tensor([d.n_ctx for d in drafters])[:, None]  # [R, C]
         mask = torch.cat([ctx_ok, torch.ones(len(drafters), Q, dtype=torch.bool)], 1)[:, None, None]
         h = drafters[0].net.block(emb, pos, kv, mask.expand(-1, 1, Q, -1).to(emb.device))[:, 1:]  # [R, g, H]
         for d in drafters:
             d.forwards += 1
-        same = all(s.sampling == states[0].sampling and s.generator is states[0].generator for s in states)
-        if not same:  # rows that sample differently are drawn one at a time
+        if not shared_sampling(states):  # rows that sample differently are drawn one at a time
             return [BlockDrafter._draw([d], [s], h[i:i + 1])[0] for i, (d, s) in enumerate(zip(drafters, states))]
         return BlockDrafter._draw(drafters, states, h)
 

@@ -8,9 +8,9 @@ import math
 from typing import Literal, get_args
 
 import torch
-from torch import nn
 
-from ...decoding import Drafter, SpecState
+from ...cache import right_padded
+from ...decoding import Drafter, SpecState, shared_sampling
 from ...roofline import auto_size, nodes_to_add
 from ...sampling import gumbel_top_k, probs_from, without_replacement_rows
 from ...tree import additive_mask, tree_from_choices
@@ -133,16 +133,21 @@ class EagleRunner(Drafter):
         returns f^ for the newest token's successor position [H]."""
         n = len(state.tokens) - 1  # positions 0..n-1 have target features; token n is the newest
         hid = state.target_hidden
-        first = n - hid.shape[0]
-        if first != self.n_cached:
-            raise RuntimeError(f"EAGLE draft cache holds {self.n_cached} positions but the new target features start "
-                               f"at {first}: call begin() for a new sequence")
+        first = self._first_new(state)
         pos = torch.arange(first, n, device=self.W.device)[None]
         f = self.head(self._embed(state.tokens[first + 1:n + 1]), self._features_in(hid[None].to(self.W.dtype)),
                       position_ids=pos, cache=self.cache)
         self.forwards += 1
         self.n_cached = n
         return f[0, -1]
+
+    def _first_new(self, state: SpecState) -> int:
+        """The first position whose target features ``state`` brings: it must be the first the draft cache lacks."""
+        first = len(state.tokens) - 1 - state.target_hidden.shape[0]
+        if first != self.n_cached:
+            raise RuntimeError(f"EAGLE draft cache holds {self.n_cached} positions but the new target features start "
+                               f"at {first}: call begin() for a new sequence")
+        return first
 
     def _expand(self, toks: list[int], feats: torch.Tensor, depth0: int, anc: list[list[int]], n_tree: int):
         """One draft forward over a block of tree nodes (tree attention inside the draft's own cache).
@@ -294,8 +299,7 @@ class EagleDrafter(EagleRunner):
         drafted together (``_chains``); anything else one at a time."""
         d0 = drafters[0]
         together = all(type(d) is type(d0) and d.head is d0.head and d.chain and d.depth == d0.depth and
-                       d.rule == d0.rule for d in drafters) and \
-            all(s.sampling == states[0].sampling and s.generator is states[0].generator for s in states)
+                       d.rule == d0.rule for d in drafters) and shared_sampling(states)
         if not together:
             return [d.propose(s) for d, s in zip(drafters, states)]
         return EagleDrafter._chains(drafters, states)
@@ -361,16 +365,11 @@ class EagleDrafter(EagleRunner):
         d0, R = drafters[0], len(drafters)
         dev, dt, H = d0.W.device, d0.W.dtype, d0.W.shape[1]
         old = [d.n_cached for d in drafters]
-        m = [0 if r in done else len(s.tokens) - 1 - old[r] for r, s in enumerate(states)]
-        for r, (d, s) in enumerate(zip(drafters, states)):
-            if m[r] and m[r] != s.target_hidden.shape[0]:
-                raise RuntimeError(f"EAGLE draft cache holds {old[r]} positions but the new target features start at "
-                                   f"{len(s.tokens) - 1 - s.target_hidden.shape[0]}: call begin() for a new sequence")
+        m = [0 if r in done else len(s.tokens) - 1 - d._first_new(s) for r, (d, s) in enumerate(zip(drafters, states))]
         C, M = max(old), max(m)
         cache = DynamicCache(config=d0.head.config)
-        ks, vs = zip(*[(d.cache.layers[0].keys, d.cache.layers[0].values) for d in drafters])
-        cache.update(torch.cat([nn.functional.pad(k, (0, 0, 0, C - k.shape[2])) for k in ks]),
-                     torch.cat([nn.functional.pad(v, (0, 0, 0, C - v.shape[2])) for v in vs]), 0)
+        cache.update(right_padded([d.cache.layers[0].keys for d in drafters]),
+                     right_padded([d.cache.layers[0].values for d in drafters]), 0)
         slots = torch.arange(C + M, device=dev)[None]
         real = torch.tensor(old, device=dev)[:, None]
         seen = (slots < real) | ((slots >= C) & (slots < C + torch.tensor(m, device=dev)[:, None]))  # [R, C + M]
