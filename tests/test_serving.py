@@ -531,3 +531,88 @@ def test_results_page_says_where_algorithm_1_sits():
                                     "best fixed k (fixed:3). Fixed k below no speculation: fixed:1 at no level; "
                                     "fixed:3 at c = 4.\n\n")
     assert _policy_ratios([r for r in rows if r["policy"] != "alg1"]) == ""
+
+
+def test_an_oracle_with_perfect_drafts_on_a_flat_curve_emits_gamma_plus_one_per_step():
+    """``ceiling``'s oracle by hand: every token accepted (alpha = 1), a flat step curve, no other cost -> each step
+    emits gamma + 1 tokens per request for the price of one plain step, so throughput is exactly (gamma + 1) x no
+    speculation; with alpha = 0 it drafts nothing (B = R) and equals no speculation."""
+    gamma, mx = 5, 1 + 6 * 4  # the prefill's token, then four full steps of six
+    flat = S.SimCosts(S.StepCurve({1: 0.01, 256: 0.01}), draft_s=0.0, prefill_s=0.0)
+    base = S.simulate(S.geometric_traces(0.5, gamma), "none", 4, flat, max_new_tokens=mx)["throughput"]
+    perfect = S.simulate(S.geometric_traces(1.0, gamma), "search", 4, flat, max_new_tokens=mx)
+    assert perfect["throughput"] / base == pytest.approx(gamma + 1)
+    assert perfect["verified_per_step"] == perfect["accepted_per_step"] == 4 * gamma
+    blind = S.simulate(S.geometric_traces(0.0, gamma), "search", 4, flat, max_new_tokens=mx)
+    assert blind["throughput"] == pytest.approx(base) and blind["batch_tokens_mean"] == 4
+
+
+def test_oracle_and_geometric_traces():
+    """An oracle trace is the recorded one with survivals 1 up to its match and 0 after (records without a known match
+    dropped with their trace); geometric traces are seeded and accept alpha (1 - alpha^gamma) / (1 - alpha) tokens
+    per step on average; a bad alpha or gamma is refused."""
+    rec = [[{"survival": [0.9, 0.5, 0.2], "match": 2}, {"survival": [0.4, 0.1, 0.05], "match": 0}],
+           [{"survival": [0.9, 0.8, 0.7], "match": None}]]
+    assert S.oracle_traces(rec) == [[{"survival": [1.0, 1.0, 0.0], "match": 2},
+                                     {"survival": [0.0, 0.0, 0.0], "match": 0}]]
+    a, g = 0.7, 5
+    t = S.geometric_traces(a, g, requests=40, steps=100, seed=3)
+    assert t == S.geometric_traces(a, g, requests=40, steps=100, seed=3) != S.geometric_traces(a, g, 40, 100, seed=4)
+    mean = sum(r["match"] for x in t for r in x) / 4000
+    assert mean == pytest.approx(a * (1 - a ** g) / (1 - a), rel=0.05)
+    assert all(r["survival"] == [1.0] * r["match"] + [0.0] * (g - r["match"]) for x in t for r in x)
+    for bad in ((1.5, 5), (0.5, 0)):
+        with pytest.raises(ValueError, match="alpha"):
+            S.geometric_traces(*bad)
+
+
+def test_equivalent_alpha_inverts_the_iid_model():
+    """The alpha whose i.i.d. mean accepted length matches the traces' (gamma 5: alpha = 0.5 accepts 0.96875 tokens a
+    block); geometric traces of a known alpha read back close to it; no known match is refused."""
+    one = [[{"survival": [1.0] * 5, "match": 1}, {"survival": [1.0] * 5, "match": 0.9375}]]
+    assert S.equivalent_alpha(one, 5) == pytest.approx(0.5, abs=1e-9)
+    assert S.equivalent_alpha(S.geometric_traces(0.8, 5, requests=50, steps=100), 5) == pytest.approx(0.8, abs=0.02)
+    with pytest.raises(ValueError, match="known match"):
+        S.equivalent_alpha([[{"survival": [0.5], "match": None}]], 1)
+
+
+def test_simulate_replays_every_trace_by_default():
+    """At concurrency 1 the default number of requests still covers every trace: a low concurrency does not
+    replay only the first two (which may be unusually easy)."""
+    easy = [[{"survival": [1.0] * 3, "match": 3}]] * 2
+    hard = [[{"survival": [0.0] * 3, "match": 0}]] * 6
+    costs = S.SimCosts(S.StepCurve({1: 0.01, 256: 0.01}), draft_s=0.0, prefill_s=0.0)
+    run = S.simulate(easy + hard, "fixed:3", 1, costs, max_new_tokens=9)
+    assert run["requests"] == 8 and run["accepted_per_step"] < 3
+
+
+def test_committed_ceilings_are_what_the_command_computes(tmp_path, capsys):
+    """Each committed ceiling JSON is rebuilt from its sweep by the command it records: no figure typed in; and at the
+    sweep's own output length no scheduler reaches 1.3x no speculation at c = 16 with the recorded drafts, even an
+    oracle drafting for free (what the serving issue's note reads)."""
+    import json
+    import os
+
+    from specbook.report import ROOT
+
+    found = sorted((ROOT / "docs" / "bench").glob("*ceiling*.json"))
+    assert found
+    for f in found:
+        d = json.loads(f.read_text())
+        args = d["settings"]["command"].split()[3:]
+        assert args[:2] == ["ceiling", d["source"]] and "--out" in args
+        args[args.index("--out") + 1] = str(tmp_path / f.name)
+        here = os.getcwd()
+        os.chdir(ROOT)
+        try:
+            S.main(args)
+        finally:
+            os.chdir(here)
+        assert "throughput over no speculation (simulated)" in capsys.readouterr().out
+        got = json.loads((tmp_path / f.name).read_text())["rows"]
+        assert [r["over_none"] for r in got] == pytest.approx([r["over_none"] for r in d["rows"]], rel=1e-9)
+        assert [{k: v for k, v in r.items() if k != "over_none"} for r in got] == \
+            [{k: v for k, v in r.items() if k != "over_none"} for r in d["rows"]]
+        c16 = [r for r in d["rows"] if r["concurrency"] == 16 and r["drafts"] == "recorded"
+               and r["max_new_tokens"] == d["settings"]["sweep_max_new_tokens"]]
+        assert len(c16) == 3 and all(r["over_none"] < 1.3 for r in c16)

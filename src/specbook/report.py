@@ -275,6 +275,22 @@ def serving_section(name: str, d: dict) -> str:
     return head + "\n" + markdown(rows) + "\n\n" + _policy_ratios(sim_rows(d)) + _forward_ratios(d["rows"]) + sim
 
 
+def ceiling_section(name: str, d: dict) -> str:
+    """``python -m specbook.serving ceiling``: an oracle scheduler's throughput over no speculation, SIMULATED with a
+    serving sweep's fitted costs, on its recorded drafts and on hypothetical drafters."""
+    from .serving import ceiling_markdown
+
+    s, m = d["settings"], d["machine"]
+    return (f"## {name}\n\nSIMULATED from `{d['source']}` ({m.get('cpu', m.get('platform', '?'))}, "
+            f"{s.get('drafter', '?')} drafter, gamma {s['gamma']}; the sweep ran {s['sweep_max_new_tokens']} tokens "
+            "per request): the costs fitted to its real runs, an oracle that knows each drafted token's fate before "
+            "verifying it (the count of accepted tokens per step that maximises Theta), on the sweep's recorded "
+            "drafts and on drafters of per-token acceptance alpha, with the measured drafting cost and with "
+            f"drafting free. A real scheduler does not know the fates and verifies some tokens that are then rejected; "
+            f"the oracle never does, so its row is what the drafts allow at best.\n\n`{s['command']}`\n\n"
+            + ceiling_markdown(d["rows"]))
+
+
 def _policy_ratios(rows: list[dict]) -> str:
     """Where Algorithm 1 sits in one forward mode's rows (``serving.sim_rows``: the sweep's first): at the highest
     concurrency its throughput over no speculation and over the longest fixed k; at the lowest, over the best fixed k;
@@ -355,6 +371,9 @@ def results_page(bench_dir: Path = BENCH_DIR) -> str:
         d = json.loads(f.read_text())
         if "traces" in d:  # a serving sweep
             parts.append(serving_section(f.stem, d))
+            continue
+        if d.get("ceiling"):  # the serving sweep's simulated ceiling
+            parts.append(ceiling_section(f.stem, d))
             continue
         if d["settings"].get("command", "").startswith("python -m specbook.draft_compile"):
             parts.append(draft_compile_section(f.stem, d))

@@ -747,7 +747,8 @@ class SimCosts:
 
 def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, costs: SimCosts, *,
              requests: int | None = None, max_new_tokens: int = 32) -> dict:
-    """A SIMULATION of the serving loop: ``requests`` requests (default 2 x concurrency) in a closed loop, request i
+    """A SIMULATION of the serving loop: ``requests`` requests (default 2 x concurrency, and at least one per usable
+    trace, so that a low concurrency does not replay only the first few traces) in a closed loop, request i
     replaying acceptance trace ``traces[i % len(traces)]`` (each record: the full block's survivals and ``match`` =
     how many of its tokens the target accepted when the whole block was verified), cycling through its records.
     A step verifies l_r = the policy's prefix length and accepts min(l_r, match); it costs draft_step_s + R x draft_s
@@ -759,7 +760,7 @@ def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, c
     usable = [t for t in traces if t and all(r.get("match") is not None for r in t)]
     if not usable:
         raise ValueError("no usable traces: record them from a full-block run (policy fixed:gamma, record=True)")
-    n_req = requests or 2 * concurrency
+    n_req = requests or max(2 * concurrency, len(usable))
     queue = list(range(n_req))
     running: list[dict] = []
     tokens, steps, verified, accepted, btok = 0, 0, 0, 0, 0
@@ -797,6 +798,78 @@ def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, c
     return {"policy": str(pol), "concurrency": concurrency, "requests": n_req, "tokens": tokens, "seconds": clock,
             "throughput": tokens / clock, "steps": steps, "batch_tokens_mean": btok / steps, **split,
             "verified_per_step": verified / steps, "accepted_per_step": accepted / steps, "simulated": True}
+
+
+# =========================================================================== how far any scheduler could go
+
+
+def oracle_traces(traces: list[list[dict]]) -> list[list[dict]]:
+    """Each record's survivals replaced by what verification showed: 1.0 for the ``match`` tokens the target accepted,
+    0.0 after. A scheduler reading them knows every token's fate before verifying it: no real one can (and it would
+    not be lossless), so its throughput bounds what any policy gets from these drafts."""
+    return [[{"survival": [1.0] * r["match"] + [0.0] * (len(r["survival"]) - r["match"]), "match": r["match"]}
+             for r in t] for t in traces if t and all(r.get("match") is not None for r in t)]
+
+
+def geometric_traces(alpha: float, gamma: int, requests: int = 64, steps: int = 64, seed: int = 0) -> list[list[dict]]:
+    """Oracle traces (``oracle_traces``' form) of a hypothetical drafter whose token j is accepted with probability
+    ``alpha`` given tokens 1..j-1 were (the i.i.d. acceptance model of Leviathan et al.), blocks of ``gamma``."""
+    if not 0.0 <= alpha <= 1.0 or gamma < 1:
+        raise ValueError(f"need 0 <= alpha <= 1 and gamma >= 1, got alpha={alpha!r}, gamma={gamma!r}")
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(requests):
+        kept = (torch.rand(steps, gamma, generator=g) < alpha).int().cumprod(1).sum(1).tolist()
+        out.append([{"survival": [1.0] * m + [0.0] * (gamma - m), "match": m} for m in kept])
+    return out
+
+
+def equivalent_alpha(traces: list[list[dict]], gamma: int) -> float:
+    """The per-token acceptance alpha of the i.i.d. model whose mean accepted length over a block of ``gamma``,
+    alpha (1 - alpha^gamma) / (1 - alpha), equals the traces' mean ``match`` (bisection; the model is increasing)."""
+    ms = [r["match"] for t in traces for r in t if r.get("match") is not None]
+    if not ms:
+        raise ValueError("no record with a known match: traces come from a full-block run (fixed:gamma)")
+    target = sum(ms) / len(ms)
+    mean = lambda a: sum(a ** j for j in range(1, gamma + 1))  # noqa: E731  E[accepted] = sum_j alpha^j
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def ceiling(result: dict, concurrencies=(16,), max_new_tokens=(32,), alphas=(0.6, 0.7, 0.8, 0.9, 1.0)) -> list[dict]:
+    """SIMULATED: how far any scheduler could go on a sweep's machine. Per output length and concurrency, each row's
+    throughput over no speculation, all simulated with the sweep's fitted costs (``sim_costs``):
+
+    alg1                     Algorithm 1 on the recorded traces (the real policy, for reference)
+    oracle                   the recorded drafts scheduled knowing each token's fate (``oracle_traces``); per step
+                             the count of accepted tokens that maximises Theta along the greedy path
+    oracle, alpha = a        the same for a hypothetical drafter of per-token acceptance a (``geometric_traces``,
+                             the sweep's gamma)
+
+    each oracle row with the measured drafting cost and with drafting free."""
+    import dataclasses
+
+    costs = sim_costs(result)
+    free = dataclasses.replace(costs, draft_s=0.0, draft_step_s=0.0)
+    gamma = result["settings"]["gamma"]
+    sources = [("recorded", oracle_traces(result["traces"]))] + [
+        (f"alpha = {a:g}", geometric_traces(a, gamma)) for a in alphas]
+    rows = []
+    for mx in max_new_tokens:
+        for c in concurrencies:
+            none = simulate(result["traces"], "none", c, costs, max_new_tokens=mx)["throughput"]
+            real = simulate(result["traces"], "alg1", c, costs, max_new_tokens=mx)["throughput"]
+            rows.append({"max_new_tokens": mx, "concurrency": c, "scheduler": "alg1", "drafts": "recorded",
+                         "drafting": "measured", "over_none": real / none})
+            for name, traces in sources:
+                for drafting, cs in (("measured", costs), ("free", free)):
+                    s = simulate(traces, "search", c, cs, max_new_tokens=mx)
+                    rows.append({"max_new_tokens": mx, "concurrency": c, "scheduler": "oracle", "drafts": name,
+                                 "drafting": drafting, "over_none": s["throughput"] / none})
+    return rows
 
 
 # =========================================================================== CLI: python -m specbook.serving
@@ -1018,12 +1091,20 @@ def main(argv=None) -> None:
     s.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     s.add_argument("--curve", type=Path, default=None, help="another step curve (JSON of StepCurve.to_json)")
     s.add_argument("--out", type=Path, default=None)
+    o = sub.add_parser("ceiling", help="how far any scheduler could go: an oracle that knows each token's fate, "
+                                       "on a bench JSON's drafts and on hypothetical drafters (a simulation)")
+    o.add_argument("bench_json", type=Path)
+    o.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    o.add_argument("--max-new-tokens", type=int, nargs="+", default=[32, 128, 512])
+    o.add_argument("--alpha", type=float, nargs="+", default=[0.6, 0.7, 0.8, 0.9, 1.0],
+                   help="per-token acceptance of the hypothetical drafters")
+    o.add_argument("--out", type=Path, default=None)
     p = sub.add_parser("profile", help="only the step curve SPS(B) of a target on this device (JSON)")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="fast")
     p.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
-    {"profile": _cmd_profile, "bench": _cmd_bench, "simulate": _cmd_simulate}[a.cmd](a, argv)
+    {"profile": _cmd_profile, "bench": _cmd_bench, "simulate": _cmd_simulate, "ceiling": _cmd_ceiling}[a.cmd](a, argv)
 
 
 def _cmd_profile(a, argv) -> None:
@@ -1066,6 +1147,41 @@ def _cmd_simulate(a, argv) -> None:
                                      "source": str(a.bench_json), "validation": validate(res), "rows": rows,
                                      "costs": {k: (v.to_json() if k == "curve" else v)
                                                for k, v in vars(costs).items()}}, indent=1))
+
+
+def _cmd_ceiling(a, argv) -> None:
+    import json
+    import sys
+
+    res = json.loads(a.bench_json.read_text())
+    rows = ceiling(res, a.concurrency, a.max_new_tokens, a.alpha)
+    print(ceiling_markdown(rows))
+    if a.out:
+        cmd = "python -m specbook.serving " + " ".join(argv if argv is not None else sys.argv[1:])
+        a.out.write_text(json.dumps({
+            "note": "SIMULATED: an oracle scheduler (each token's fate known) against the sweep's fitted costs",
+            "ceiling": True, "source": str(a.bench_json), "machine": res["machine"],
+            "settings": {"command": cmd, "gamma": res["settings"]["gamma"], "drafter": res["settings"].get("drafter"),
+                         "sweep_max_new_tokens": res["settings"]["max_new_tokens"]},
+            "rows": rows}, indent=1))
+
+
+def ceiling_markdown(rows: list[dict]) -> str:
+    """``ceiling``'s rows as one table per output length: a row per scheduler / drafts / drafting, a column per
+    concurrency (throughput over no speculation)."""
+    cs = sorted({r["concurrency"] for r in rows})
+    out = []
+    for mx in sorted({r["max_new_tokens"] for r in rows}):
+        keys = list(dict.fromkeys((r["scheduler"], r["drafts"], r["drafting"]) for r in rows
+                                  if r["max_new_tokens"] == mx))
+        by = {(r["scheduler"], r["drafts"], r["drafting"], r["concurrency"]): r["over_none"] for r in rows
+              if r["max_new_tokens"] == mx}
+        out += [f"{mx} tokens per request: throughput over no speculation (simulated)", "",
+                "| scheduler | drafts | drafting | " + " | ".join(f"c = {c}" for c in cs) + " |",
+                "|" + "---|" * (3 + len(cs))]
+        out += ["| " + " | ".join(k) + " | " + " | ".join(f"{by[k + (c,)]:.2f}x" for c in cs) + " |" for k in keys]
+        out.append("")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
