@@ -95,15 +95,14 @@ def test_sampled_growth_draws_what_the_budget_allows_and_budgets_before_drawing(
 
     V, seen = 6, []
     q_row = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0.0])
-    g = torch.Generator().manual_seed(0)
 
     def q_of(f):
         return q_row.expand(f.shape[0], V)
 
-    def draw(q, counts):
+    def draw(q, counts):  # the least likely tokens each time: what was drawn must not move the scores
         out = []
         for row, n in zip(q, counts):
-            ids = torch.multinomial(row, n, replacement=False, generator=g).tolist()
+            ids = [i for i in row.argsort().tolist() if row[i] > 0][:n]
             out.append((ids, [math.log(row[i]) for i in ids], row.expand(n, V)))
         return out
 
@@ -118,6 +117,8 @@ def test_sampled_growth_draws_what_the_budget_allows_and_budgets_before_drawing(
     assert seen[0] == ([], lq)  # the root's candidates: log q of ranks 0..2
     assert seen[1][0] == lq[:2] and seen[1][1] == sorted(seen[1][1], reverse=True) and len(seen[1][1]) == 3
     assert len(seen[2][0]) == 3 and seen[2][0][2] == seen[1][1][0]  # the grandchild holds the key it was admitted with
+    # scores are those keys summed along the path, whatever token each draw turned out to be
+    assert pool.score[:2] == pytest.approx(lq[:2]) and pool.score[2] == pytest.approx(seen[1][1][0])
     # the root always draws at least one
     seen.clear()
     one = grow_sampled(torch.zeros(4), lambda pool, fr: torch.zeros(len(fr), 4), depth=2, width=3, q_of=q_of,

@@ -99,8 +99,9 @@ class EagleSettings:
     draft_cost          None = measured once per run; a number overrides it (0.0 = an auto mode blind to it)
     children            at T > 0: "topk" (the papers' top-k picks), "iid" or "noreplace" (children drawn from the
                         draft's q, kept with min(1, p/q); EagleRunner); eagle, eagle2 and eagle3 use it. The default
-                        is chosen by measurement: the README's T = 1 bench runs the three rules side by side
-                        (`eagle2[children=topk]`, `[children=iid]`, `eagle2`) and the results page shows them; the
+                        draws without replacement (no sibling spent on a duplicate) and must be at least as fast as
+                        the top-k picks in the README's T = 1 bench, which runs the three rules side by side
+                        (`eagle2[children=topk]`, `[children=iid]`, `eagle2`; tests/test_docs.py reads it); the
                         drafters' own default stays the papers' top-k rule
     """
 

@@ -58,7 +58,8 @@ class Pool:
 
     tok: list[int] = field(default_factory=list)
     par: list[int] = field(default_factory=list)  # pool index of the parent, -1 = root
-    score: list[float] = field(default_factory=list)  # cumulative draft log-probability of the path
+    score: list[float] = field(default_factory=list)  # cumulative draft log-probability of the path (sampled
+    # trees: of the ranks each node was drawn as, grow_sampled)
     dep: list[int] = field(default_factory=list)  # 0 = child of the root
     q: list = field(default_factory=list)  # sampled children: the q row each was drawn from (else None)
 
@@ -146,9 +147,15 @@ def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, dra
     ``width`` frontier nodes (all nodes of the previous depth, at most ``width``) are expanded, a node x's
     rank-c child is worth score(x) + log q_c(x) (q_c = x's c-th largest draft probability: known before
     drawing), the ``width`` best ranks are kept (a prefix of ranks per node) and that many children are drawn
-    from x's q (``draw``). ``q_of(f)`` -> the draft's distributions [F, Vd] at predicted features f (computed
-    once per depth: the ranks' keys and the draws read the same q); ``draw(q, counts)`` -> per row (ids, log q of
-    the draws, q rows) as EagleRunner._draw_from. ``keep_going`` as grow_dynamic (it reads only nodes drawn
+    from x's q (``draw``). A node's score is the key it was admitted with, summed along its path (the root's
+    c-th draw: log q_c(root)), not the log-probability of the token it drew: a drawn token's q(x) says little
+    of its chance to be accepted, min(1, p(x) / q(x)) on average 1 - TV(p, q), while the top ranks' mass
+    follows how sure the draft is. At T > 0 EAGLE-2's path confidence is therefore the product of the ranks'
+    probabilities (at T = 0 the same numbers as the top-k picks').
+    ``q_of(f)`` -> the draft's distributions [F, Vd] at predicted features f (computed once per depth: the ranks'
+    keys and the draws read the same q); ``draw(q, counts)`` -> per row (ids, log q of the draws, q rows) as
+    EagleRunner._draw_from (the log q of the draws is not read: scores come from the ranks).
+    ``keep_going`` as grow_dynamic (it reads only nodes drawn
     before the depth it decides). ``budget(keys, cand)``, if given, decides before each depth's draws how many of
     its candidates to draw, best first (0 stops; the root draws at least one): ``keys`` = the pre-draw key every
     node already in the tree was admitted with, ``cand`` = this depth's candidate keys, sorted descending (log
@@ -159,9 +166,10 @@ def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, dra
 
     def add_children(parents: list[int], q_rows: torch.Tensor, counts: list[int]) -> list[int]:
         new = []
-        for j, (ids, lps, rows) in zip(parents, draw(q_rows, counts)):
+        for j, q_row, (ids, _, rows) in zip(parents, q_rows, draw(q_rows, counts)):
             base, dep = (pool.score[j], pool.dep[j] + 1) if j >= 0 else (0.0, 0)
-            new += [pool.add(t, j, base + lp, dep, rows[i]) for i, (t, lp) in enumerate(zip(ids, lps))]
+            ranks = q_row.float().topk(len(ids)).values.log().tolist()  # the c-th draw's key: log q_c(parent)
+            new += [pool.add(t, j, base + lp, dep, rows[i]) for i, (t, lp) in enumerate(zip(ids, ranks))]
         return new
 
     q0 = q_of(f_root[None])  # [1, Vd]
