@@ -86,6 +86,25 @@ def test_latency_profile_on_tiny(tiny):
     assert set(lat) == {1, 4} and all(v > 0 for v in lat.values())
 
 
+def test_latency_profile_runs_in_rounds_over_every_k(tiny):
+    """One prefill, then a warm-up round and ``repeats`` timed rounds, each over every k in turn (not every repeat
+    of one k back to back, which lets a slow spell of the machine bend one point of the curve); each timed forward
+    sees the same cached context."""
+    seen = []
+
+    def record(mod, args, kw):
+        cache = next(v for v in kw.values() if hasattr(v, "get_seq_length"))
+        seen.append((kw["input_ids"].shape[1], cache.get_seq_length()))
+
+    hook = tiny.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        lat = rl.profile_latency_vs_k(tiny, ks=(1, 2, 4), context=8, repeats=2)
+    finally:
+        hook.remove()
+    assert seen == [(8, 0)] + [(k, 8) for _ in range(3) for k in (1, 2, 4)]
+    assert set(lat) == {1, 2, 4} and all(0 < v < float("inf") for v in lat.values())
+
+
 def test_median_seconds_warms_up_resets_and_takes_the_median():
     from specbook.roofline import median_seconds
 

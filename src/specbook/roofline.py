@@ -202,7 +202,9 @@ def profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: 
     """Forward latency (s, best of ``repeats``) of ``k`` new tokens on top of a ``context``-token cache.
 
     The cache is prefilled once and cropped back to ``context`` after every timed forward, so each
-    measurement sees exactly the same state. Returns {k: seconds}.
+    measurement sees exactly the same state. The repeats run in rounds over every k (one warm-up round
+    first), not k after k: a slow spell of the machine then touches one sample of each k instead of every
+    sample of one k, which would bend the curve the "auto" tree sizes read. Returns {k: seconds}.
     """
     from tqdm.auto import tqdm
 
@@ -215,19 +217,21 @@ def profile_latency_vs_k(model, ks=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: 
     ctx_ids = torch.randint(V, (batch, context), generator=g).to(dev)
     cache = new_cache(model, capacity=context + max(ks), batch=batch)
     model(input_ids=ctx_ids, **cache_kw(cache), use_cache=True, logits_to_keep=1)
-    out = {}
-    for k in tqdm(list(ks), desc="latency(k)", disable=not progress):
-        ids = torch.randint(V, (batch, k), generator=g).to(dev)
-        pos = torch.arange(context, context + k, device=dev)[None].expand(batch, k)
-        best = float("inf")
-        for _ in range(repeats + 1):  # first run is a warm-up
+    inputs = {int(k): (torch.randint(V, (batch, k), generator=g).to(dev),
+                       torch.arange(context, context + k, device=dev)[None].expand(batch, k)) for k in ks}
+    out = {k: float("inf") for k in inputs}
+    bar = tqdm(total=(repeats + 1) * len(inputs), desc="latency(k)", disable=not progress)
+    for r in range(repeats + 1):  # round 0 is a warm-up
+        for k, (ids, pos) in inputs.items():
             sync(dev)
             t = time.perf_counter()
             model(input_ids=ids, position_ids=pos, **cache_kw(cache), use_cache=True)
             sync(dev)
-            best = min(best, time.perf_counter() - t)
+            if r:
+                out[k] = min(out[k], time.perf_counter() - t)
             crop_to(cache, context)
-        out[int(k)] = best
+            bar.update()
+    bar.close()
     return out
 
 
