@@ -37,6 +37,13 @@ def test_top_k_keeps_k():
     assert torch.isinf(top_k_filter(logits, 2)).tolist() == [True, False, True, False]
 
 
+def test_top_p_keeps_the_greedy_token_among_ties():
+    """Equal logits: the nucleus is made of the lowest indices, so it holds argmax's pick (index 0)."""
+    for V in (5, 17, 300):
+        kept = ~torch.isinf(top_p_filter(torch.zeros(V), 0.5))
+        assert kept[0] and kept.sum() == -(-V // 2)
+
+
 def test_top_p_keeps_smallest_nucleus():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     kept = ~torch.isinf(top_p_filter(probs.log(), 0.8))

@@ -64,7 +64,8 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """
     if p >= 1.0:
         return logits
-    sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)  # [..., V]
+    # stable: among tied logits the lower index comes first, as in argmax, so the greedy token is always kept
+    sorted_logits, idx = torch.sort(logits, dim=-1, descending=True, stable=True)  # [..., V]
     probs = torch.softmax(sorted_logits.float(), dim=-1)
     mass_before = probs.cumsum(-1) - probs  # mass strictly before each token
     drop_sorted = mass_before >= p  # token i is needed only if the mass before it is < p
