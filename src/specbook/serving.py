@@ -745,6 +745,11 @@ class SimCosts:
     prefill_running_s: float = 0.0
 
 
+def usable_traces(traces: list[list[dict]]) -> list[list[dict]]:
+    """The traces a simulation can replay: non-empty, every record with a known ``match``."""
+    return [t for t in traces if t and all(r.get("match") is not None for r in t)]
+
+
 def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, costs: SimCosts, *,
              requests: int | None = None, max_new_tokens: int = 32) -> dict:
     """A SIMULATION of the serving loop: ``requests`` requests (default 2 x concurrency, and at least one per usable
@@ -757,7 +762,7 @@ def simulate(traces: list[list[dict]], policy: str | Policy, concurrency: int, c
     pol = policy if isinstance(policy, Policy) else parse_policy(policy)
     if not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
-    usable = [t for t in traces if t and all(r.get("match") is not None for r in t)]
+    usable = usable_traces(traces)
     if not usable:
         raise ValueError("no usable traces: record them from a full-block run (policy fixed:gamma, record=True)")
     n_req = requests or max(2 * concurrency, len(usable))
@@ -808,7 +813,7 @@ def oracle_traces(traces: list[list[dict]]) -> list[list[dict]]:
     0.0 after. A scheduler reading them knows every token's fate before verifying it: no real one can (and it would
     not be lossless), so its throughput bounds what any policy gets from these drafts."""
     return [[{"survival": [1.0] * r["match"] + [0.0] * (len(r["survival"]) - r["match"]), "match": r["match"]}
-             for r in t] for t in traces if t and all(r.get("match") is not None for r in t)]
+             for r in t] for t in usable_traces(traces)]
 
 
 def geometric_traces(alpha: float, gamma: int, requests: int = 64, steps: int = 64, seed: int = 0) -> list[list[dict]]:

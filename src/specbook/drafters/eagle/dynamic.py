@@ -158,27 +158,24 @@ def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, dra
     ``keep_going`` as grow_dynamic (it reads only nodes drawn
     before the depth it decides). ``budget(keys, cand)``, if given, decides before each depth's draws how many of
     its candidates to draw, best first (0 stops; the root draws at least one): ``keys`` = the pre-draw key every
-    node already in the tree was admitted with, ``cand`` = this depth's candidate keys, sorted descending (log
+    node already in the tree was admitted with (the pool's scores), ``cand`` = this depth's candidate keys, sorted descending (log
     scale; a root child of rank c has key log q_c(root)). Everything it reads is known before the draws it
     sizes, so the tree stays lossless; the keys are the tree's own estimate of what each node is worth."""
-    pool = Pool()
-    keys: list[float] = []  # per pool node, the pre-draw key it was admitted with
+    pool = Pool()  # pool.score: per node, the pre-draw key it was admitted with (what ``budget`` reads)
 
-    def add_children(parents: list[int], q_rows: torch.Tensor, counts: list[int]) -> list[int]:
+    def add_children(parents: list[int], q_rows: torch.Tensor, logq: list[list[float]], counts: list[int]) -> list[int]:
+        """``counts[r]`` draws from q_rows[r] as children of parents[r]; the c-th draw's key is log q_c = logq[r][c]
+        (the parent's ranks, descending) on top of the parent's score."""
         new = []
-        for j, q_row, (ids, _, rows) in zip(parents, q_rows, draw(q_rows, counts)):
+        for j, lq, (ids, _, rows) in zip(parents, logq, draw(q_rows, counts)):
             base, dep = (pool.score[j], pool.dep[j] + 1) if j >= 0 else (0.0, 0)
-            ranks = q_row.float().topk(len(ids)).values.log().tolist()  # the c-th draw's key: log q_c(parent)
-            new += [pool.add(t, j, base + lp, dep, rows[i]) for i, (t, lp) in enumerate(zip(ids, ranks))]
+            new += [pool.add(t, j, base + lq[i], dep, rows[i]) for i, t in enumerate(ids)]
         return new
 
     q0 = q_of(f_root[None])  # [1, Vd]
-    n0 = width
-    if budget is not None:  # the root's candidates: ranks 0.. of its q
-        v0 = [x for x in q0[0].topk(min(width, q0.shape[-1])).values.log().tolist() if x > float("-inf")]
-        n0 = max(1, budget(keys, v0))
-        keys += (v0 + [float("-inf")] * width)[:n0]
-    frontier = add_children([-1], q0, [n0])
+    v0 = q0[0].topk(min(width, q0.shape[-1])).values.log().tolist()  # the root's candidates: ranks 0.. of its q
+    n0 = width if budget is None else max(1, budget(pool.score, [x for x in v0 if x > float("-inf")]))
+    frontier = add_children([-1], q0, [v0], [n0])
     for _ in range(1, depth):
         if not frontier or (keep_going is not None and not keep_going(pool, frontier)):
             break
@@ -187,12 +184,10 @@ def grow_sampled(f_root: torch.Tensor, expand, depth: int, width: int, q_of, dra
         cand = sorted(((pool.score[j] + v[r][c], r, c) for r, j in enumerate(frontier) for c in range(width)
                        if v[r][c] > float("-inf")), key=lambda t: (-t[0], t[1], t[2]))[:width]
         if budget is not None:
-            cand = cand[:budget(keys, [k for k, _, _ in cand])]
+            cand = cand[:budget(pool.score, [k for k, _, _ in cand])]
             if not cand:
                 break
         counts = [sum(1 for _, r2, _ in cand if r2 == r) for r in range(len(frontier))]
         rows = [r for r in range(len(frontier)) if counts[r]]
-        frontier = add_children([frontier[r] for r in rows], q[rows], [counts[r] for r in rows])
-        if budget is not None:  # the new nodes come parent by parent, each one's draws in rank order
-            keys += [k for r in rows for k, _, _ in sorted((t for t in cand if t[1] == r), key=lambda t: t[2])]
+        frontier = add_children([frontier[r] for r in rows], q[rows], [v[r] for r in rows], [counts[r] for r in rows])
     return pool
