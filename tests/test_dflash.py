@@ -1,5 +1,8 @@
 """DFlash / DSpark (drafters/dflash.py): the block attention, one draft forward per step, training = drafting,
 the Markov head, the confidence target and its calibration, bad input. Losslessness at T > 0: test_lossless.py."""
+
+import argparse
+
 import pytest
 import torch
 
@@ -18,7 +21,7 @@ from specbook.drafters.dflash import (
     tv_distance,
 )
 from specbook.models import fingerprint, tiny_llama
-from specbook.training import Batch, CheckpointError, save_checkpoint
+from specbook.training import Batch, CheckpointError, checkpoint_vocab, save_checkpoint
 
 L = 8
 
@@ -321,5 +324,22 @@ def test_warm_start_refuses_a_markov_head_of_another_vocabulary(deep, tmp_path):
     assert warm_start(same, tmp_path / "d", deep)["vocab_changed"] is False
     assert all(torch.equal(same.state()[k], v) for k, v in trained.state().items())
     other = DSparkObjective(deep, net.vocab + 1, gamma=4, layers=2, anchors=1, markov_rank=8)
-    with pytest.raises(CheckpointError, match="row per draft token"):
+    with pytest.raises(CheckpointError, match="row per draft token.*--keep-vocab"):
         warm_start(other, tmp_path / "d", deep)
+    kept = DSparkObjective(deep, checkpoint_vocab(tmp_path / "d"), gamma=4, layers=2, anchors=1, markov_rank=8)
+    assert torch.equal(kept.net.vocab, net.vocab)  # --keep-vocab: the checkpoint's tokens, in its draft order
+    assert warm_start(kept, tmp_path / "d", deep)["vocab_changed"] is False
+
+
+def test_keep_vocab_needs_a_checkpoint_with_a_draft_vocabulary(deep, tmp_path):
+    from specbook.train import _head_vocab
+
+    with pytest.raises(SystemExit, match="--init"):
+        _head_vocab(argparse.Namespace(keep_vocab=True, init=None, vocab=8192))
+    from specbook.drafters.eagle import EagleObjective
+
+    full = EagleObjective(deep, vocab=None)  # drafts over the whole target vocabulary: its checkpoint stores none
+    card = {"kind": "eagle", "config": full.card_config(), "target": "tiny", "target_fingerprint": fingerprint(deep)}
+    save_checkpoint(tmp_path / "f", full.state(), card, dtype=torch.float32)
+    with pytest.raises(CheckpointError, match="full vocabulary"):
+        checkpoint_vocab(tmp_path / "f")

@@ -189,5 +189,22 @@ def test_warm_start_refuses_another_draft_vocabulary(deep, tmp_path):
         same.head.fc.weight.zero_()
     assert warm_start(same, tmp_path / "e3", deep)["vocab_changed"] is False
     assert all(torch.equal(same.state()[k], v) for k, v in trained.state().items())
-    with pytest.raises(CheckpointError, match="row per draft token"):
+    with pytest.raises(CheckpointError, match="row per draft token.*--keep-vocab"):
         warm_start(Eagle3Objective(deep, torch.arange(1, 48, 2), ttt_steps=2), tmp_path / "e3", deep)
+
+
+def test_keep_vocab_reads_the_ids_back_from_d2t(deep, tmp_path):
+    """--keep-vocab: the target ids an EAGLE-3 checkpoint drafts from, rebuilt from its d2t offsets in draft-index
+    order, build a head that warm-starts from it with every tensor (the vocabulary unchanged)."""
+    from specbook.models import fingerprint
+    from specbook.training import checkpoint_vocab, warm_start
+
+    ids = torch.tensor([0, 2, 5, 7, 30, 41])  # sorted: EAGLE-3 maps draft index i to id i + d2t[i]
+    trained = Eagle3Objective(deep, ids, ttt_steps=2)
+    card = {"kind": "eagle3", "config": trained.card_config(), "target": "tiny", "target_fingerprint": fingerprint(deep),
+            "steps": 5, "corpus_sha": "abc"}
+    save_checkpoint(tmp_path / "e3", trained.state(), card, dtype=torch.float32)
+    kept = checkpoint_vocab(tmp_path / "e3")
+    again = Eagle3Objective(deep, kept, ttt_steps=2)
+    assert warm_start(again, tmp_path / "e3", deep)["vocab_changed"] is False
+    assert all(torch.equal(again.state()[k], v) for k, v in trained.state().items())

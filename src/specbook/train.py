@@ -32,9 +32,15 @@ CKPT_DIR = ROOT / "data" / "checkpoints"
 
 
 def _head_vocab(args, corpus=None):
-    """--vocab N: the N most frequent response tokens of the whole corpus (None = the full vocabulary)."""
+    """--vocab N: the N most frequent response tokens of the whole corpus (None = the full vocabulary);
+    --keep-vocab: the --init checkpoint's own draft vocabulary, in its order."""
     from .corpus import load_corpus, top_tokens
+    from .training import checkpoint_vocab
 
+    if getattr(args, "keep_vocab", False):
+        if not args.init:
+            raise SystemExit("--keep-vocab keeps the draft vocabulary of the --init checkpoint: pass --init PATH")
+        return checkpoint_vocab(args.init)
     if not args.vocab:
         return None
     ids, _ = top_tokens(corpus if corpus is not None else load_corpus(Path(args.corpus)), args.vocab)
@@ -236,6 +242,9 @@ def main(argv=None):
     ap.add_argument("--init", default=None,
                     help="checkpoint path (no suffix) to continue training from: same method, target, head config and "
                          "draft-vocabulary size (see training.warm_start); its steps and corpus go in the new card")
+    ap.add_argument("--keep-vocab", action="store_true",
+                    help="with --init: draft from the checkpoint's own vocabulary instead of this corpus's top --vocab "
+                         "tokens (needed to continue DSpark's Markov head or EAGLE-3's LM head on another corpus)")
     ap.add_argument("--interpolate", default=None, metavar="START",
                     help="no training: the weights (1 - alpha) * START + alpha * INIT, where --init was trained on from "
                          "START (WiSE-FT; training.interpolate), evaluated on the held-out split and written as a "

@@ -359,8 +359,8 @@ def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
     rows = [k for k, v in mine.items() if k not in index and sizes & set(v.shape)] if vocab_changed else []
     if rows:
         raise CheckpointError(f"{path} drafts from another vocabulary than this corpus's top tokens, and {rows[:3]} "
-                              f"hold a row per draft token; warm-start from a checkpoint trained on the same --vocab "
-                              f"over the same corpus family")
+                              f"hold a row per draft token; keep the checkpoint's own vocabulary (`python -m "
+                              f"specbook.train {obj.kind} --init {path} --keep-vocab`, checkpoint_vocab)")
     params = obj.module.state_dict()
     unknown = [k for k in mine if k not in index and k not in params]
     if unknown:
@@ -372,6 +372,19 @@ def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
                 params[k].copy_(v.to(params[k].dtype))
     return {"path": str(path), "weights_sha256": card["weights_sha256"], "steps": card.get("steps"),
             "corpus_sha": card.get("corpus_sha"), "vocab_changed": bool(vocab_changed)}
+
+
+def checkpoint_vocab(path: str | Path) -> torch.Tensor:
+    """The target ids a checkpoint drafts from, in its draft-index order [Vd] (``vocab``, or EAGLE-3's offsets:
+    id = index + d2t[index]). Continuing a head whose tensors hold a row per draft token on another corpus needs
+    it: that corpus's own top tokens would give every row to another token (``warm_start`` refuses them)."""
+    state, card = load_checkpoint(path)
+    if "vocab" in state:
+        return state["vocab"].long()
+    if "d2t" in state:
+        return torch.arange(len(state["d2t"])) + state["d2t"].long()
+    raise CheckpointError(f"{path} ({card.get('kind')}) drafts from the target's full vocabulary: there is no draft "
+                          f"vocabulary to keep; drop --keep-vocab (or pass --vocab 0)")
 
 
 def interpolate(obj: Objective, start: str | Path, end: str | Path, alpha: float, target=None) -> dict:
