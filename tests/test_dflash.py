@@ -332,12 +332,11 @@ def test_warm_start_refuses_a_markov_head_of_another_vocabulary(deep, tmp_path):
 
 
 def test_keep_vocab_needs_a_checkpoint_with_a_draft_vocabulary(deep, tmp_path):
+    from specbook.drafters.eagle import EagleObjective
     from specbook.train import _head_vocab
 
     with pytest.raises(SystemExit, match="--init"):
         _head_vocab(argparse.Namespace(keep_vocab=True, init=None, vocab=8192))
-    from specbook.drafters.eagle import EagleObjective
-
     full = EagleObjective(deep, vocab=None)  # drafts over the whole target vocabulary: its checkpoint stores none
     card = {"kind": "eagle", "config": full.card_config(), "target": "tiny", "target_fingerprint": fingerprint(deep)}
     save_checkpoint(tmp_path / "f", full.state(), card, dtype=torch.float32)

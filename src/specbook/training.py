@@ -378,11 +378,13 @@ def checkpoint_vocab(path: str | Path) -> torch.Tensor:
     """The target ids a checkpoint drafts from, in its draft-index order [Vd] (``vocab``, or EAGLE-3's offsets:
     id = index + d2t[index]). Continuing a head whose tensors hold a row per draft token on another corpus needs
     it: that corpus's own top tokens would give every row to another token (``warm_start`` refuses them)."""
+    from .drafters.eagle3 import draft_ids
+
     state, card = load_checkpoint(path)
     if "vocab" in state:
         return state["vocab"].long()
     if "d2t" in state:
-        return torch.arange(len(state["d2t"])) + state["d2t"].long()
+        return draft_ids(state["d2t"])
     raise CheckpointError(f"{path} ({card.get('kind')}) drafts from the target's full vocabulary: there is no draft "
                           f"vocabulary to keep; drop --keep-vocab (or pass --vocab 0)")
 

@@ -50,6 +50,11 @@ def vocab_maps(vocab: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor]
     return d2t, t2d
 
 
+def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """vocab_maps' inverse: d2t offsets [Vd] -> the target id of every draft index (index + d2t[index])."""
+    return torch.arange(len(d2t), device=d2t.device) + d2t.long()
+
+
 def _rotate_half(x):
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -150,7 +155,7 @@ class Eagle3Head(nn.Module):
     @property
     def vocab(self) -> torch.Tensor:
         """Draft index -> target id (arange + d2t)."""
-        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def forward(self, emb, h, position_ids=None, attention_mask=None, cache=None) -> torch.Tensor:
         """One draft step over a block: emb [B, S, H] (Emb of the input tokens), h [B, S, H] (fused features or
@@ -299,7 +304,7 @@ def load_eagle3(target, path) -> tuple[Eagle3Head, dict]:
 def head_from_state(target, state: dict, taps, where, error: type[Exception]) -> Eagle3Head:
     """An Eagle3Head for ``target`` holding ``state`` (its vocabulary from ``d2t``), on the target's device and
     dtype; ``error`` (naming ``where``) when the tensors are not an EAGLE-3 head's."""
-    head = Eagle3Head(target.config, torch.arange(len(state["d2t"])) + state["d2t"], tuple(taps))
+    head = Eagle3Head(target.config, draft_ids(state["d2t"]), tuple(taps))
     missing, unexpected = head.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not k.startswith("rotary_emb")]:
         raise error(f"{where}: weights do not match an EAGLE-3 head (missing {missing[:3]}, unexpected {unexpected[:3]})")
