@@ -1,5 +1,6 @@
 """Corpus round trip, feature cache staleness, the training loop, checkpoints."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -130,6 +131,26 @@ def test_heldout_split_is_by_prompt(tiny_corpus, tiny_target, tmp_path):
                  settings={"toy": True})
     with pytest.raises(ValueError, match="at least 2 prompts"):
         TrainData(load_corpus(tmp_path / "lone"), None, seq_len=24)
+
+
+def test_train_fraction_is_nested_and_keeps_the_held_out_prompts(tiny_corpus, tiny_target, tmp_path):
+    """Data-scaling runs: a fraction trains on the first part of the train prompts (1/4 inside 1/2 inside all),
+    every fraction reads the same held-out records, and the card's token count is the train records' tokens."""
+    corpus, _ = tiny_corpus
+    store = load_or_build(tiny_target, corpus, (-1,), root=tmp_path / "feats", progress=False)
+    full = TrainData(corpus, store, seq_len=24, seed=0)
+    parts = {f: TrainData(corpus, store, seq_len=24, seed=0, train_fraction=f) for f in (0.25, 0.5)}
+    assert all(d.heldout == full.heldout for d in parts.values())
+    assert parts[0.25].train == full.train[:len(parts[0.25].train)] == parts[0.5].train[:len(parts[0.25].train)]
+    assert 0 < len(parts[0.25].train) < len(parts[0.5].train) < len(full.train)
+    assert len(parts[0.5].train) == math.ceil(0.5 * len(full.train))  # one record per prompt in this corpus
+    want = sum(int(corpus.index[i, 1] + corpus.index[i, 2]) for i in parts[0.25].train)
+    assert parts[0.25].train_tokens == want < full.train_tokens
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="train_fraction"):
+            TrainData(corpus, store, seq_len=24, train_fraction=bad)
+        with pytest.raises(ValueError, match="train_fraction"):
+            TrainConfig(train_fraction=bad)
 
 
 def test_packed_windows_are_whole_records_end_to_end(tiny_corpus, tiny_target, tmp_path):
@@ -445,3 +466,16 @@ def test_corpus_info_names_the_sha_of_a_spread_subset(tiny_corpus, tmp_path, cap
     with pytest.raises(SystemExit):
         main(["info", "--corpus", str(tmp_path / "corpus"), "--records", "0"])
     assert "at least 1 record" in capsys.readouterr().err
+
+
+def test_seeded_build_starts_every_run_of_a_seed_from_the_same_head(tiny):
+    """train.run draws a head's initial weights from --seed: the same seed gives the same weights, another seed
+    others, and the caller's global RNG is not moved."""
+    from specbook.train import METHODS
+
+    spec = METHODS["eagle"]
+    before = torch.random.get_rng_state()
+    a, b, c = (spec.seeded_build(tiny, s).state() for s in (0, 0, 1))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point())

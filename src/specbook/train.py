@@ -81,6 +81,15 @@ class Method:
         module, name = self.objective.split(":")
         return getattr(importlib.import_module(module), name)(target, **kw)
 
+    def seeded_build(self, target, seed: int, **kw):
+        """``build`` with the head's initial weights drawn from ``seed`` (the same --seed, the same starting head);
+        the caller's global RNG is left as it was."""
+        import torch
+
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            return self.build(target, **kw)
+
 
 METHODS = {
     "draft_model": Method("specbook.drafters.draft_model:DraftModelObjective", (-1,), "alpha_T1",
@@ -117,8 +126,10 @@ def _fit(method: str, obj, args, corpus, store, target):
     if args.interpolate and not args.init:
         raise SystemExit("--interpolate START needs --init END: the checkpoint that was trained on from START")
     cfg = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
-                      eval_every=args.eval_every, ckpt_every=args.eval_every, seed=args.seed, pack=args.pack)
-    data = TrainData(corpus, store, seq_len=cfg.seq_len, seed=cfg.seed, pack=cfg.pack)
+                      eval_every=args.eval_every, ckpt_every=args.eval_every, seed=args.seed, pack=args.pack,
+                      train_fraction=args.train_fraction, eval_batches=args.eval_batches)
+    data = TrainData(corpus, store, seq_len=cfg.seq_len, seed=cfg.seed, pack=cfg.pack,
+                     train_fraction=cfg.train_fraction)
     if args.interpolate:  # no training: a point on the line from START to its continuation, evaluated held-out
         mix = interpolate(obj, args.interpolate, args.init, args.alpha, target)
         final = {"step": 0, **evaluate(obj, data, cfg, target.device)}  # steps: none of its own; its ends' in the card
@@ -130,7 +141,7 @@ def _fit(method: str, obj, args, corpus, store, target):
     return cfg, data, train(obj, data, cfg, run_dir=run_dir, resume=not args.fresh), ({"init": init} if init else {})
 
 
-def run(method: str, args) -> dict:
+def run(method: str, args, argv: list[str] | None = None) -> dict:
     from .corpus import load_corpus
     from .features import load_or_build
     from .models import fingerprint, load_model, machine_info
@@ -156,17 +167,17 @@ def run(method: str, args) -> dict:
     store = store.select(layers) if tuple(store.layers) != tuple(layers) else store
     del tgt16
     target, _ = load_model(args.target, dtype="fp32", device=args.device)
-    obj = spec.build(target, **spec.cli_kwargs(args, corpus))
+    obj = spec.seeded_build(target, args.seed, **spec.cli_kwargs(args, corpus))
     cfg, data, res, origin = _fit(method, obj, args, corpus, store, target)
     final = res.evals[-1]
     extra = obj.finalize(data) if hasattr(obj, "finalize") else {}  # e.g. DSpark's calibration
     card = {
         "kind": method, "config": obj.card_config(), "target": args.target, "target_fingerprint": fingerprint(target),
-        "corpus_sha": corpus.sha, "corpus_records": len(corpus), "train_config": asdict(cfg), "steps": res.steps,
-        "heldout": final, **extra, **origin,
+        "corpus_sha": corpus.sha, "corpus_records": len(corpus), "train_records": len(data.train),
+        "train_tokens": data.train_tokens, "train_config": asdict(cfg), "steps": res.steps, "heldout": final, **extra, **origin,
         "evals": res.evals, "loss_curve": [h for h in res.history if h["step"] % 10 == 0 or h["step"] == 1],
         "train_seconds": round(res.seconds, 1), "machine": machine_info(),
-        "command": "python -m specbook.train " + " ".join(sys.argv[1:]),
+        "command": "python -m specbook.train " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     out = Path(args.out) if args.out else CKPT_DIR / method
     if out.with_suffix(".json").exists() and not args.force:
@@ -208,7 +219,7 @@ def short_run(method: str, target, corpus, records: int = 32, steps: int = 20, w
     return obj, res
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m specbook.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("method", choices=sorted(METHODS))
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -224,6 +235,11 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-batches", type=int, default=4,
+                    help="held-out batches per evaluation (the same windows at every evaluation; more = less noise)")
+    ap.add_argument("--train-fraction", type=float, default=1.0,
+                    help="train on this nested part of the train prompts (0.25 lies inside 0.5); the held-out prompts "
+                         "stay the same, so runs on different fractions compare (python -m specbook.data_scaling)")
     ap.add_argument("--layers-from", default=None, help="draft_model: target layers to copy, e.g. 0,1,29")
     ap.add_argument("--records", type=int, default=0,
                     help="train on N evenly spaced corpus records (0 = all); the card records the subset's sha")
@@ -253,7 +269,13 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="checkpoint path without suffix (default data/checkpoints/METHOD)")
     ap.add_argument("--force", action="store_true", help="replace the checkpoint even if held-out acceptance is worse")
     ap.add_argument("--fresh", action="store_true", help="ignore a resumable state from an interrupted run")
-    run(ap.parse_args(argv).method, ap.parse_args(argv))
+    return ap
+
+
+def main(argv: list[str] | None = None):
+    """``argv``: the arguments after ``python -m specbook.train`` (None = the command line); the card records them."""
+    args = parser().parse_args(argv)
+    run(args.method, args, argv)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ class TrainData:
     the drafter trained on. For a one-pass corpus this is the same split as one by record."""
 
     def __init__(self, corpus, store, seq_len: int = 256, heldout_fraction: float = 0.03, seed: int = 0,
-                 pack: bool = False):
+                 pack: bool = False, train_fraction: float = 1.0):
         groups: dict = {}  # prompt -> its records, prompts in order of first appearance
         for i, r in enumerate(corpus.records):
             groups.setdefault(r.get("question_id", f"#{i}"), []).append(i)
@@ -57,7 +57,17 @@ class TrainData:
         perm = torch.randperm(len(keys), generator=g).tolist()
         n_eval = max(1, int(len(keys) * heldout_fraction))
         self.heldout = [i for k in perm[:n_eval] for i in groups[keys[k]]]
-        self.train = [i for k in perm[n_eval:] for i in groups[keys[k]]]
+        # train_fraction < 1: the first part of the train prompts in this fixed random order, so fractions are
+        # nested (1/4 inside 1/2 inside all) and every fraction is read against the same held-out prompts
+        if not 0 < train_fraction <= 1:
+            raise ValueError(f"train_fraction must be in (0, 1], got {train_fraction}")
+        n_train = max(1, math.ceil((len(keys) - n_eval) * train_fraction))
+        self.train = [i for k in perm[n_eval:n_eval + n_train] for i in groups[keys[k]]]
+
+    @property
+    def train_tokens(self) -> int:
+        """Tokens (prompt + response) of the train records: what a data-scaling curve puts on its x axis."""
+        return int(sum(int(self.corpus.index[i, 1] + self.corpus.index[i, 2]) for i in self.train))
 
     def _window(self, rec: int, g: torch.Generator) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
         _, pl, rl = (int(x) for x in self.corpus.index[rec])
@@ -122,6 +132,7 @@ class TrainConfig:
     batch: int = 8  # windows per step
     seq_len: int = 256
     pack: bool = False  # True: fill each window with whole records one after another (TrainData._packed)
+    train_fraction: float = 1.0  # < 1: train on that nested part of the train prompts (data-scaling runs)
     lr: float = 1e-3
     warmup: int = 30
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -139,6 +150,8 @@ class TrainConfig:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 < self.train_fraction <= 1:
+            raise ValueError(f"train_fraction must be in (0, 1], got {self.train_fraction}")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
