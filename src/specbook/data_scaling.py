@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
             targv = run_argv(method, f, args, out)
             card_p = out.with_suffix(".json")
             card = json.loads(card_p.read_text()) if card_p.exists() else None
-            if card is None or card.get("command") != "python -m specbook.train " + " ".join(targv):
+            if card is None or card.get("command") != train.command(targv):
                 print(f"[data_scaling] {method} on {f:g} of the train prompts", file=sys.stderr)
                 card = train.run(method, train.parser().parse_args(targv), targv)
             runs.append(summarize(method, f, card))

@@ -141,6 +141,11 @@ def _fit(method: str, obj, args, corpus, store, target):
     return cfg, data, train(obj, data, cfg, run_dir=run_dir, resume=not args.fresh), ({"init": init} if init else {})
 
 
+def command(argv: list[str]) -> str:
+    """The command line a card records for a run with these arguments."""
+    return " ".join(["python -m specbook.train", *argv])
+
+
 def run(method: str, args, argv: list[str] | None = None) -> dict:
     from .corpus import load_corpus
     from .features import load_or_build
@@ -177,7 +182,7 @@ def run(method: str, args, argv: list[str] | None = None) -> dict:
         "train_tokens": data.train_tokens, "train_config": asdict(cfg), "steps": res.steps, "heldout": final, **extra, **origin,
         "evals": res.evals, "loss_curve": [h for h in res.history if h["step"] % 10 == 0 or h["step"] == 1],
         "train_seconds": round(res.seconds, 1), "machine": machine_info(),
-        "command": "python -m specbook.train " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command(sys.argv[1:] if argv is None else argv),
     }
     out = Path(args.out) if args.out else CKPT_DIR / method
     if out.with_suffix(".json").exists() and not args.force:

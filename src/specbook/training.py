@@ -67,7 +67,7 @@ class TrainData:
     @property
     def train_tokens(self) -> int:
         """Tokens (prompt + response) of the train records: what a data-scaling curve puts on its x axis."""
-        return int(sum(int(self.corpus.index[i, 1] + self.corpus.index[i, 2]) for i in self.train))
+        return int(self.corpus.index[self.train, 1:3].sum())  # index rows: (offset, prompt_len, response_len)
 
     def _window(self, rec: int, g: torch.Generator) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
         _, pl, rl = (int(x) for x in self.corpus.index[rec])
