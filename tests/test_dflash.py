@@ -32,10 +32,10 @@ def deep():
     return tiny_llama(vocab_size=48, hidden_size=32, layers=L, seed=1)
 
 
-def _net(target, vocab=None, noise=0.3, seed=0, gamma=4, rank=0, confidence=False):
+def _net(target, vocab=None, noise=0.3, seed=0, gamma=4, rank=0, confidence=False, taps=None):
     torch.manual_seed(seed)
     vocab = torch.arange(0, target.config.vocab_size, 2) if vocab is None else vocab
-    net = BlockNet(target.config, vocab, gamma=gamma, layers=2, markov_rank=rank, confidence=confidence)
+    net = BlockNet(target.config, vocab, gamma=gamma, layers=2, markov_rank=rank, confidence=confidence, taps=taps)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in net.parameters():
@@ -166,9 +166,11 @@ def test_one_draft_forward_per_step(deep, gamma):
     assert s.draft_forwards == s.target_forwards - 1  # one draft forward per step (the prefill has none)
 
 
-@pytest.mark.parametrize("rank,threshold", [(0, None), (8, None), (8, 0.3), (8, "auto")])
-def test_drafter_greedy_equals_ar(deep, rank, threshold):
-    net = _net(deep, rank=rank, confidence=bool(rank))
+@pytest.mark.parametrize("rank,threshold,taps", [(0, None, None), (8, None, None), (8, 0.3, None), (8, "auto", None),
+                                                (8, None, (2, 4, L))])
+def test_drafter_greedy_equals_ar(deep, rank, threshold, taps):
+    """Lossless at T = 0, the static and the "auto" cut included; taps (2, 4, L): the last one is the final state."""
+    net = _net(deep, rank=rank, confidence=bool(rank), taps=taps)
     for seed in range(3):
         ids = torch.randint(0, 48, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
         d = BlockDrafter(deep, net, threshold=threshold, latency={1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0})

@@ -406,6 +406,37 @@ def test_features_for_several_methods_is_the_union_of_their_layers():
         feature_layers(["eagle", "nope"], cfg)
 
 
+def test_a_tap_at_the_last_layer_is_the_final_state_and_reads_a_store_that_holds_it(tiny_corpus, tiny_target, tmp_path):
+    """``--taps ...,L``: output_hidden_states[L] is transformers' last_hidden_state (after the final norm), so the
+    tap is stored as -1 and a store holding the final state serves it, no second pass over the corpus; bad --taps
+    and --taps for a method without taps are refused."""
+    import argparse
+
+    from specbook.features import store_layers
+    from specbook.train import METHODS, _taps, run
+
+    corpus, _ = tiny_corpus
+    L = tiny_target.config.num_hidden_layers
+    ids = torch.as_tensor(corpus.tokens[:12].astype('int64'))[None]
+    with torch.no_grad():
+        out = tiny_target.model(ids, output_hidden_states=True)
+    assert torch.equal(out.hidden_states[L], out.last_hidden_state)  # the premise of the alias
+    assert store_layers((1, L, -1), L) == (1, -1, -1)
+    assert METHODS["dflash"].layers_for(tiny_target.config, (1, L)) == (1, -1, -1)
+    wide = load_or_build(tiny_target, corpus, (0, 1, -1), root=tmp_path / "feats", progress=False)
+    tapped = load_or_build(tiny_target, corpus, METHODS["dspark"].layers_for(tiny_target.config, (1, L)),
+                           root=tmp_path / "feats", progress=False)
+    assert tapped.path == wide.path and len(list((tmp_path / "feats").glob("*/meta.json"))) == 1
+    off = int(corpus.index[0, 0])
+    rows = tapped.rows(off, off + 5)
+    assert torch.equal(rows[:, 1], rows[:, 2]) and torch.equal(rows[:, 1], wide.rows(off, off + 5)[:, 2])
+    assert _taps(argparse.Namespace(taps="2,15,30")) == (2, 15, 30) and _taps(argparse.Namespace(taps=None)) is None
+    with pytest.raises(SystemExit, match="comma-separated"):
+        _taps(argparse.Namespace(taps="2;15"))
+    with pytest.raises(SystemExit, match="block drafters"):
+        run("eagle", argparse.Namespace(taps="2,30", anchors=8), [])
+
+
 def test_features_of_padded_batches_equal_each_sequences_own_forward(tiny_corpus, tiny_target, tmp_path):
     """The build batches sequences of different lengths, right-padded and without a mask: every sequence's rows must
     still be what the target computes on that sequence alone."""

@@ -71,6 +71,13 @@ class FeatureStore:
                                 "(specbook.features.load_or_build does so automatically)")
 
 
+def store_layers(layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """``layers`` with index ``num_layers`` written -1: transformers' output_hidden_states[L] is its
+    last_hidden_state (after the final norm; fastpath does the same), so the one tensor has one name and a store
+    that holds the final state serves a tap at L."""
+    return tuple(-1 if x == num_layers else x for x in layers)
+
+
 def _root() -> Path:
     from .models import cache_dir
 

@@ -33,7 +33,8 @@ place of 4. DFlash: cross-entropy on the corpus tokens. DSpark: 0.1 CE + 0.9 TV(
 each position-weighted, as DeepSpec.
 
 Where we simplify (sizes for a 135M target on 2 CPU cores):
-- 2 draft layers (the papers use 5 on 4-8B targets) and 3 taps;
+- 2 draft layers (the papers use 5 on 4-8B targets) and 3 taps (``train --taps`` picks others; a tap at L is the final
+  state EAGLE reads, which DFlash's rule leaves out: at equal steps it scored lower here, docs/train/dspark_taps_*.json);
 - the draft proposes from a reduced vocabulary (the N most frequent corpus tokens, the target's own LM-head rows,
   frozen), as our other heads; positions whose true token is outside it leave the CE (TV and c* use the target's
   full distribution, so tokens the draft cannot propose count as lost);
