@@ -162,9 +162,22 @@ def test_block_settings_validate_and_variants_reach_them():
     assert parse_variant("dspark[threshold=0.5;gamma=3]") == ("dspark", {("block", "threshold"): 0.5,
                                                                          ("block", "gamma"): 3})
     assert parse_variant("dflash[gamma=4]") == ("dflash", {("block", "gamma"): 4})
-    for bad in ({"gamma": 0}, {"threshold": 1.5}, {"threshold": "high"}, {"threshold": None}):
-        with pytest.raises(ValueError, match="gamma|threshold"):
+    for bad in ({"gamma": 0}, {"threshold": 1.5}, {"threshold": "high"}, {"threshold": None}, {"calibration": "tf"}):
+        with pytest.raises(ValueError, match="gamma|threshold|calibration"):
             BlockSettings(**bad)
+    assert parse_variant("dspark[calibration=held_out]") == ("dspark", {("block", "calibration"): "held_out"})
+
+
+def test_dspark_calibration_setting_picks_what_the_drafter_reads():
+    from specbook.bench import BlockSettings
+
+    tf, loop = {"greedy": [0.9]}, {"temperatures": {"greedy": [1.2]}, "shifts": {"greedy": [-0.5]}}
+    card = {"calibration": {"temperatures": tf, "in_loop": loop}}
+    assert BlockSettings().survival_calibration(card) == loop  # the default reads the card's in-loop fit
+    assert BlockSettings(calibration="held_out").survival_calibration(card) == {"temperatures": tf, "shifts": None}
+    assert BlockSettings(calibration="none").survival_calibration(card) == {"temperatures": None, "shifts": None}
+    assert BlockSettings().survival_calibration({"calibration": {"temperatures": tf}}) == {"temperatures": tf,
+                                                                                           "shifts": None}
 
 
 def test_checkpoint_variants_read_another_folder_and_share_the_run(tmp_path):

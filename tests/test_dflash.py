@@ -16,6 +16,7 @@ from specbook.drafters.dflash import (
     default_taps,
     ece,
     load_block,
+    sequential_platt_scaling,
     sequential_temperature_scaling,
     survival,
     tv_distance,
@@ -238,6 +239,23 @@ def test_sequential_temperature_scaling_recovers_a_known_temperature():
     rep = calibrate({"z": z, "hit": o, "soft": torch.sigmoid(z / 2)})
     assert rep["after"]["greedy"]["ece"][2] < rep["before"]["greedy"]["ece"][2]
     assert rep["after"]["greedy"]["auroc"][0] > 0.7 and rep["after"]["sampled"]["auroc"] is None
+
+
+def test_sequential_platt_scaling_recovers_a_shift_a_temperature_cannot():
+    """Outcomes drawn with survival prob sigmoid(z_k / 2 - 1): over-confident in scale AND in level. The log-loss
+    fit finds t ~ 2, b ~ -1 at each position and a near-zero cumulative ECE; DSpark's temperature-only fit cannot
+    move the level and stays several times worse at position 1."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(20000, 3, generator=g) * 3 + 1
+    o = (torch.rand(20000, 3, generator=g) < torch.sigmoid(z / 2 - 1)).double()
+    temps, shifts = sequential_platt_scaling(z, o)
+    assert all(1.6 < t < 2.5 for t in temps) and all(-1.3 < b < -0.7 for b in shifts), (temps, shifts)
+    cum = o.cumprod(-1)
+    t_only = sequential_temperature_scaling(z, o)
+    for k in range(3):
+        after = ece(survival(z, temps, shifts)[:, k], cum[:, k])
+        assert after < 0.02
+    assert ece(survival(z, t_only)[:, 0], cum[:, 0]) > 3 * ece(survival(z, temps, shifts)[:, 0], cum[:, 0])
 
 
 def test_objectives_learn(deep, fit):

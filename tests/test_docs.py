@@ -272,3 +272,15 @@ def test_the_benchs_default_child_rule_is_no_slower_than_top_k_in_the_committed_
     assert d["settings"]["eagle"]["children"] == EagleSettings().children
     by = {r["method"]: r for r in d["rows"]}
     assert by["eagle2"]["speedup"] >= by["eagle2[children=topk]"]["speedup"]
+
+
+def test_a_serving_runs_calibration_reads_in_words_old_and_new():
+    """Runs recorded DSpark's temperatures alone; with the in-loop fit they record temperatures and shifts."""
+    old = {"greedy": [0.5, 2.0], "sampled": [1.0, 1.0]}
+    new = {"temperatures": old, "shifts": {"greedy": [-0.4, 0.0], "sampled": [0.0, 0.0]}}
+    assert report._survival_calibration(old, "greedy") == "per-position temperatures (greedy) 0.50, 2.00"
+    assert report._survival_calibration(new, "greedy") == ("per-position temperatures (greedy) 0.50, 2.00 and shifts "
+                                                           "-0.4, +0.0")
+    assert report._survival_calibration({"temperatures": old, "shifts": None}, "sampled").endswith("1.00, 1.00")
+    assert report._survival_calibration(1.25, "greedy") == "x 1.250"
+    assert report._survival_calibration(None, "greedy") == "none"

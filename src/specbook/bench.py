@@ -140,10 +140,14 @@ class MtpSettings:
 class BlockSettings:
     """dflash / dspark: ``gamma`` draft tokens per block (<= the block trained); dspark's ``threshold``: a calibrated
     survival h in [0, 1] (cut before the first position below it: DeepSpec's static rule) or "auto" = keep a
-    position while it raises the expected tokens per second of this run's latency curve (drafters.dflash)."""
+    position while it raises the expected tokens per second of this run's latency curve (drafters.dflash); dspark's
+    ``calibration``: "card" = what the card says a drafter reads (its in-loop fit when it has one:
+    drafters.block_calibration), "held_out" = DSpark's temperatures fitted on teacher-forced held-out blocks,
+    "none" = the raw confidence head. A variant puts two side by side: ``dspark[calibration=held_out]``."""
 
     gamma: int = 7
     threshold: float | str = "auto"
+    calibration: str = "card"
 
     def __post_init__(self):
         from .drafters.dflash import check_gamma, check_threshold
@@ -152,6 +156,18 @@ class BlockSettings:
         if self.threshold is None:
             raise ValueError("dspark threshold must be a number in [0, 1] or 'auto' (dflash is the full block)")
         check_threshold(self.threshold)
+        if self.calibration not in ("card", "held_out", "none"):
+            raise ValueError(f"dspark calibration must be 'card', 'held_out' or 'none', got {self.calibration!r}")
+
+    def survival_calibration(self, card: dict) -> dict:
+        """The BlockDrafter keyword arguments ``temperatures`` / ``shifts`` this setting reads from ``card``."""
+        from .drafters.block_calibration import card_calibration
+
+        if self.calibration == "none":
+            return {"temperatures": None, "shifts": None}
+        if self.calibration == "held_out":
+            return {"temperatures": card.get("calibration", {}).get("temperatures"), "shifts": None}
+        return card_calibration(card)
 
 
 @dataclass(frozen=True)
@@ -818,8 +834,7 @@ def _dspark(ctx: BenchContext, ids, mask, gen) -> RunStats:
 
     net, card, cost = block_for(ctx, "dspark")
     s = ctx.settings.block
-    drafter = BlockDrafter(ctx.model, net, gamma=s.gamma, threshold=s.threshold,
-                           temperatures=card.get("calibration", {}).get("temperatures"),
+    drafter = BlockDrafter(ctx.model, net, gamma=s.gamma, threshold=s.threshold, **s.survival_calibration(card),
                            latency=latency_for(ctx) if s.threshold == "auto" else None, draft_cost=cost)
     return _spec(ctx, ids, drafter, gen)
 
@@ -855,6 +870,10 @@ def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
             out[kind] = {"gamma": ctx.settings.block.gamma, "block_cost_s": cost, "checkpoint_steps": card.get("steps")}
             if kind == "dspark":
                 out[kind]["threshold"] = ctx.settings.block.threshold
+                cal = ctx.settings.block.calibration
+                if cal == "card":
+                    cal = "in_loop" if card.get("calibration", {}).get("in_loop") else "held_out"
+                out[kind]["calibration"] = cal
     return out
 
 

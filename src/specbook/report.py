@@ -246,6 +246,21 @@ def _steps_label(c: dict) -> str:
             else f"{c.get('steps')} steps")
 
 
+def _survival_calibration(cal, mode: str) -> str:
+    """A serving run's drafter calibration in words: DSpark's per-position temperatures (and shifts: the in-loop
+    fit, ``{"temperatures", "shifts"}``; older runs recorded the temperatures alone) for the run's sampling mode,
+    or an EAGLE chain's factor."""
+    if isinstance(cal, float):
+        return f"x {cal:.3f}"
+    if not isinstance(cal, dict):
+        return "none"
+    temps, shifts = (cal.get("temperatures"), cal.get("shifts")) if "temperatures" in cal else (cal, None)
+    if not temps or mode not in temps:
+        return "none"
+    out = f"per-position temperatures ({mode}) {', '.join(f'{t:.2f}' for t in temps[mode])}"
+    return out + (f" and shifts {', '.join(f'{b:+.1f}' for b in shifts[mode])}" if shifts and shifts.get(mode) else "")
+
+
 def serving_section(name: str, d: dict) -> str:
     """A serving sweep (``python -m specbook.serving bench``): every policy at every concurrency, and how close the
     trace-driven simulator comes to those real runs."""
@@ -264,10 +279,7 @@ def serving_section(name: str, d: dict) -> str:
         f"No full-block run (fixed:{s['gamma']}) in this sweep, so no acceptance traces: the simulator is not "
         "validated against it.\n")
     if ck := s.get("drafter_checkpoint"):
-        cal = ck.get("calibration")
-        mode = "greedy" if s["temperature"] == 0 else "sampled"  # the temperatures the run's drafter read
-        cal = (f"per-position temperatures ({mode}) {', '.join(f'{t:.2f}' for t in cal[mode])}"
-               if isinstance(cal, dict) and mode in cal else f"x {cal:.3f}" if isinstance(cal, float) else "none")
+        cal = _survival_calibration(ck.get("calibration"), "greedy" if s["temperature"] == 0 else "sampled")
         head += (f"\nDrafter: {ck['checkpoint']} (corpus {ck.get('corpus_sha')}, {ck.get('steps')} steps); survival "
                  f"calibration: {cal}.\n")
     warm = sum(f.get("warmup_total_s", 0) for f in s.get("fast", {}).values())

@@ -886,6 +886,7 @@ def _load(model_name: str, dtype: str, kind: str, gamma: int | None = None, temp
     (default 5; children drawn from q at T > 0) whose survivals are its top-1 path confidence x the card's
     calibration at this temperature (``EagleDrafter._chains``). Returns
     (model, tokenizer, drafter, {"checkpoint", "corpus_sha", "steps", "calibration"})."""
+    from .drafters.block_calibration import card_calibration
     from .drafters.dflash import BlockDrafter, check_gamma, load_block
     from .drafters.eagle import EagleDrafter, confidence_calibration, load_eagle
     from .models import load_model
@@ -904,8 +905,8 @@ def _load(model_name: str, dtype: str, kind: str, gamma: int | None = None, temp
                                calibration=cal, children="noreplace")
     else:
         net, card = load_block(model, CKPT_DIR / kind, kind)
-        cal = card.get("calibration", {}).get("temperatures")
-        drafter = BlockDrafter(model, net, gamma=gamma, temperatures=cal)
+        cal = card_calibration(card)
+        drafter = BlockDrafter(model, net, gamma=gamma, **cal)
     info = {"checkpoint": f"data/checkpoints/{kind}", "corpus_sha": card.get("corpus_sha"), "steps": card.get("steps"),
             "calibration": cal}
     return model, tok, drafter, info

@@ -37,6 +37,20 @@ class Batch:
     mask: torch.Tensor  # [B, S] bool: response positions whose next token is in the window (loss positions)
 
 
+def prompt_split(corpus, heldout_fraction: float = 0.03, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """The corpus's records grouped by prompt (``question_id``), the groups in a fixed random order (``seed``):
+    (held-out groups, train groups), the first ``heldout_fraction`` of the prompts held out (at least one)."""
+    groups: dict = {}  # prompt -> its records, prompts in order of first appearance
+    for i, r in enumerate(corpus.records):
+        groups.setdefault(r.get("question_id", f"#{i}"), []).append(i)
+    if len(groups) < 2:
+        raise ValueError(f"the corpus needs records of at least 2 prompts (train + held-out), got {len(groups)}")
+    keys = list(groups)
+    perm = torch.randperm(len(keys), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = max(1, int(len(keys) * heldout_fraction))
+    return [groups[keys[k]] for k in perm[:n_eval]], [groups[keys[k]] for k in perm[n_eval:]]
+
+
 class TrainData:
     """Random windows over corpus records, split into train / held-out records by a fixed rule.
 
@@ -46,23 +60,15 @@ class TrainData:
 
     def __init__(self, corpus, store, seq_len: int = 256, heldout_fraction: float = 0.03, seed: int = 0,
                  pack: bool = False, train_fraction: float = 1.0):
-        groups: dict = {}  # prompt -> its records, prompts in order of first appearance
-        for i, r in enumerate(corpus.records):
-            groups.setdefault(r.get("question_id", f"#{i}"), []).append(i)
-        if len(groups) < 2:
-            raise ValueError(f"the corpus needs records of at least 2 prompts (train + held-out), got {len(groups)}")
         self.corpus, self.store, self.seq_len, self.pack = corpus, store, seq_len, pack
-        keys = list(groups)
-        g = torch.Generator().manual_seed(seed)
-        perm = torch.randperm(len(keys), generator=g).tolist()
-        n_eval = max(1, int(len(keys) * heldout_fraction))
-        self.heldout = [i for k in perm[:n_eval] for i in groups[keys[k]]]
+        held, train = prompt_split(corpus, heldout_fraction, seed)
+        self.heldout = [i for grp in held for i in grp]
         # train_fraction < 1: the first part of the train prompts in this fixed random order, so fractions are
         # nested (1/4 inside 1/2 inside all) and every fraction is read against the same held-out prompts
         if not 0 < train_fraction <= 1:
             raise ValueError(f"train_fraction must be in (0, 1], got {train_fraction}")
-        n_train = max(1, math.ceil((len(keys) - n_eval) * train_fraction))
-        self.train = [i for k in perm[n_eval:n_eval + n_train] for i in groups[keys[k]]]
+        n_train = max(1, math.ceil(len(train) * train_fraction))
+        self.train = [i for grp in train[:n_train] for i in grp]
 
     @property
     def train_tokens(self) -> int:

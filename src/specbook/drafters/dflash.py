@@ -25,6 +25,9 @@ DSpark's heads on top (``markov_rank`` > 0, ``confidence``):
                                               its prefix did; trained (BCE) toward c*_k = 1 - TV(q_k, p_k), the
                                               acceptance probability of a token drawn from q_k at temperature 1
     a_k      = prod_{i<=k} sigmoid(z_i / t_i) calibrated prefix survival; t_i from sequential temperature scaling
+                                              on held-out blocks (DSpark's rule; the card's ``calibration``).
+                                              ``block_calibration`` refits it on the loop's own blocks with a
+                                              shift b_i as well (sigmoid(z_i / t_i + b_i)), what drafters use
 
 Training (``DFlashObjective`` / ``DSparkObjective``, through the one loop): ``anchors`` random anchors per
 window; a block's queries see the window's context before its anchor and their own block. Position weights
@@ -447,10 +450,15 @@ def heldout_stats(obj: DFlashObjective, data, batches: int = 40, batch_size: int
 TEMPERATURE_GRID = torch.exp(torch.linspace(math.log(0.05), math.log(20.0), 161))
 
 
-def survival(z: torch.Tensor, temps) -> torch.Tensor:
-    """Confidence logits z [N, g] and per-position temperatures [g] -> prefix survival a [N, g] = cumprod sigmoid(z/t)."""
+SHIFT_GRID = torch.linspace(-3.0, 3.0, 61)
+
+
+def survival(z: torch.Tensor, temps, shifts=None) -> torch.Tensor:
+    """Confidence logits z [N, g], per-position temperatures [g] (and shifts [g], default 0) -> prefix survival
+    a [N, g] = cumprod sigmoid(z / t + b)."""
     t = torch.as_tensor(temps, dtype=z.dtype)
-    return torch.sigmoid(z / t).cumprod(-1)
+    b = torch.zeros_like(t) if shifts is None else torch.as_tensor(shifts, dtype=z.dtype)
+    return torch.sigmoid(z / t + b).cumprod(-1)
 
 
 def sequential_temperature_scaling(z: torch.Tensor, outcome: torch.Tensor, grid: torch.Tensor = TEMPERATURE_GRID,
@@ -470,10 +478,38 @@ def sequential_temperature_scaling(z: torch.Tensor, outcome: torch.Tensor, grid:
     return temps
 
 
-def calibration_report(z: torch.Tensor, outcome: torch.Tensor, temps) -> dict:
+def sequential_platt_scaling(z: torch.Tensor, outcome: torch.Tensor, grid: torch.Tensor = TEMPERATURE_GRID,
+                             shift_grid: torch.Tensor = SHIFT_GRID) -> tuple[list[float], list[float]]:
+    """Our in-loop calibration (``block_calibration``), where DSpark's temperature alone cannot reach: per
+    position k, left to right, the temperature t_k AND shift b_k minimising the log loss of the cumulative product
+    prod_{i<=k} sigmoid(z_i / t_i + b_i) against the cumulative outcome, the earlier positions fixed. A shift moves
+    the mean survival, which a temperature cannot (the loop's blocks start after a rejection: harder than the
+    average position); the objective is the log loss, not the ECE, because a shift can also reach ECE ~ 0 with a
+    constant (the base rate), which would tell the scheduler nothing. z, outcome [N, g] -> (temps [g], shifts [g])."""
+    target = outcome.double().cumprod(-1)
+    temps: list[float] = []
+    shifts: list[float] = []
+    prefix = torch.ones(z.shape[0], dtype=torch.double)
+    b = shift_grid.double()[:, None]  # [nb, 1]
+    for k in range(z.shape[1]):
+        zk, yk = z[:, k].double(), target[:, k]
+        best = (math.inf, 1.0, 0.0)
+        for t in grid.tolist():
+            a = (prefix * torch.sigmoid(zk / t + b)).clamp(1e-9, 1 - 1e-9)  # [nb, N]
+            nll = -(yk * a.log() + (1 - yk) * (1 - a).log()).mean(-1)  # [nb]
+            i = int(nll.argmin())
+            if float(nll[i]) < best[0] - 1e-12:
+                best = (float(nll[i]), t, float(shift_grid[i]))
+        temps.append(best[1])
+        shifts.append(best[2])
+        prefix = prefix * torch.sigmoid(zk / best[1] + best[2])
+    return temps, shifts
+
+
+def calibration_report(z: torch.Tensor, outcome: torch.Tensor, temps, shifts=None) -> dict:
     """Per position: ECE / Brier (and AUROC for hard outcomes) of the cumulative survival against the cumulative
-    outcome, for the given temperatures."""
-    a, target = survival(z.double(), temps), outcome.double().cumprod(-1)
+    outcome, for the given temperatures (and shifts)."""
+    a, target = survival(z.double(), temps, shifts), outcome.double().cumprod(-1)
     hard = bool(((outcome == 0) | (outcome == 1)).all())
     rep = {"ece": [], "brier": [], "auroc": [] if hard else None, "mean_survival": a.mean(0).tolist(),
            "mean_outcome": target.mean(0).tolist()}
@@ -535,13 +571,15 @@ class BlockDrafter(Drafter):
     ``threshold`` (DSpark only): None = the full block (DFlash); a number h = cut before the first position whose
     calibrated survival a_k < h (DeepSpec's static rule); "auto" = keep position k while it raises the expected rate
     (1 + sum_{i<=k} a_i) / (draft_cost + latency(k + 1)) of the measured ``latency`` curve (stop at the first position
-    that does not). Both read a_k before x_k is drawn: lossless. ``temperatures``: the card's calibration, per
-    sampling mode ({"greedy": [...], "sampled": [...]}); None = uncalibrated (t = 1)."""
+    that does not). Both read a_k before x_k is drawn: lossless. ``temperatures`` / ``shifts``: the card's calibration
+    per sampling mode ({"greedy": [...], "sampled": [...]}; ``block_calibration.card_calibration`` picks them),
+    a_k = prod_{i<=k} sigmoid(z_i / t_i + b_i); None = uncalibrated (t = 1, b = 0)."""
 
     needs_hidden = True
 
     def __init__(self, target, net: BlockNet, *, gamma: int | None = None, threshold=None,
-                 temperatures: dict | None = None, latency: dict | None = None, draft_cost: float = 0.0):
+                 temperatures: dict | None = None, shifts: dict | None = None, latency: dict | None = None,
+                 draft_cost: float = 0.0):
         gamma = net.gamma if gamma is None else check_gamma(gamma)
         if gamma > net.gamma:
             raise ValueError(f"gamma {gamma} is longer than the block of {net.gamma} this drafter was trained for")
@@ -560,7 +598,7 @@ class BlockDrafter(Drafter):
         self.target, self.net, self.gamma = target, net.eval(), gamma
         self.hidden_layers = net.taps
         self.confidences = net.confidence is not None
-        self.temperatures = temperatures or {}
+        self.temperatures, self.shifts = temperatures or {}, shifts or {}
         self.latency, self.draft_cost = latency, float(draft_cost)
         self.E = target.get_input_embeddings()
         self.V = target.get_output_embeddings().weight.shape[0]
@@ -573,9 +611,11 @@ class BlockDrafter(Drafter):
         self.n_ctx = 0
         self.survival, self.confidence_logits = [], []
 
-    def _temps(self, sampling):
-        t = self.temperatures.get("greedy" if sampling.greedy else "sampled")
-        return [1.0] * self.net.gamma if t is None else t
+    def _calibration(self, sampling) -> tuple[list[float], list[float]]:
+        """Per-position (temperatures, shifts) for this sampling mode (uncalibrated: t = 1, b = 0)."""
+        mode = "greedy" if sampling.greedy else "sampled"
+        t, b = self.temperatures.get(mode), self.shifts.get(mode)
+        return [1.0] * self.net.gamma if t is None else t, [0.0] * self.net.gamma if b is None else b
 
     def _keep(self, k: int, a: list[float]) -> bool:
         """Whether position k (1-based) enters the draft, from the survivals a_1..a_k (never from x_k)."""
@@ -652,7 +692,7 @@ class BlockDrafter(Drafter):
         net, dev, sampling = d0.net, d0.W.device, state.sampling
         base = h @ d0.W.T  # [R, g, Vd]
         prev = torch.tensor([s.tokens[-1] for s in states], device=dev)  # [R] target ids
-        temps = d0._temps(sampling)
+        temps, shifts = d0._calibration(sampling)
         live = list(range(R))
         toks, qs, a, zs = [[] for _ in range(R)], [[] for _ in range(R)], [[] for _ in range(R)], [[] for _ in range(R)]
         for k in range(1, d0.gamma + 1):
@@ -664,7 +704,7 @@ class BlockDrafter(Drafter):
                     z = net.confidence_logit(h[:, k - 1], w1).float().tolist()  # [R]
                     for r in live:
                         zs[r].append(z[r])
-                        a[r].append((a[r][-1] if a[r] else 1.0) / (1 + math.exp(-z[r] / temps[k - 1])))
+                        a[r].append((a[r][-1] if a[r] else 1.0) / (1 + math.exp(-z[r] / temps[k - 1] - shifts[k - 1])))
                     live = [r for r in live if drafters[r]._keep(k, a[r])]
             if not live:
                 break
