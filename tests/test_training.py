@@ -55,6 +55,23 @@ def test_corpus_tampering_is_detected(tiny_corpus, tmp_path):
         load_corpus(tmp_path / "nowhere")
 
 
+def test_a_training_subset_is_written_once_and_read_after(tiny_corpus, tmp_path, monkeypatch):
+    """``train --records N``'s subset is read from the cache when it is there (never rewritten in place under a run
+    that may be reading it), and written again only when it is missing or its files no longer match their manifest."""
+    from specbook.train import training_corpus
+
+    monkeypatch.setenv("SPECBOOK_CACHE", str(tmp_path / "cache"))
+    corpus, _ = tiny_corpus
+    assert training_corpus(corpus, 0) is corpus
+    first = training_corpus(corpus, 10)
+    tokens = tmp_path / "cache" / "subsets" / f"{corpus.sha}-10" / "tokens.npy"
+    stamp = tokens.stat().st_mtime_ns
+    again = training_corpus(corpus, 10)
+    assert again.sha == first.sha and len(again) == 10 and tokens.stat().st_mtime_ns == stamp
+    np.save(tokens, np.zeros(3, dtype=np.uint16))  # an edited copy is not trusted
+    assert training_corpus(corpus, 10).sha == first.sha
+
+
 def test_long_prompts_are_skipped_and_counted():
     class Tok:
         def apply_chat_template(self, msgs, **kw):

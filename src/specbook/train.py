@@ -127,13 +127,23 @@ METHODS = {
 
 def training_corpus(corpus, records: int = 0):
     """What ``train --records N`` trains on: N evenly spaced records of ``corpus`` (every category; less feature and
-    training time on a slow machine), written once to the cache; 0 = all of it."""
+    training time on a slow machine); 0 = all of it. Written once to the cache and read from there after (its files
+    checked against their manifest), never rewritten in place: another run may be reading it."""
     if not records:
         return corpus
-    from .corpus import subset
+    from .corpus import CorpusError, load_corpus, subset
     from .models import cache_dir
 
-    return subset(corpus, records, cache_dir() / "subsets" / f"{corpus.sha}-{records}", spread=True)
+    out = cache_dir() / "subsets" / f"{corpus.sha}-{records}"
+    if (out / "manifest.json").exists():
+        try:
+            old = load_corpus(out)
+            s = old.manifest.get("settings", {})
+            if (s.get("subset_of"), s.get("n"), s.get("spread")) == (corpus.sha, min(records, len(corpus)), True):
+                return old
+        except CorpusError:
+            pass  # a partial or edited copy: written again below
+    return subset(corpus, records, out, spread=True)
 
 
 def feature_layers(methods: list[str], config, taps=None) -> tuple[int, ...]:
