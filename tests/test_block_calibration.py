@@ -9,6 +9,7 @@ import torch
 from specbook.corpus import load_corpus, write_corpus
 from specbook.drafters.block_calibration import (
     calibrate_in_loop,
+    calibration_source,
     card_calibration,
     heldout_prompt_ids,
     loop_outcomes,
@@ -47,6 +48,17 @@ def test_card_calibration_prefers_the_in_loop_fit():
     assert card_calibration({"calibration": {"temperatures": tf}}) == {"temperatures": tf, "shifts": None}
     assert card_calibration({"calibration": {"temperatures": tf, "in_loop": loop}}) == loop
     assert card_calibration({}) == {"temperatures": None, "shifts": None}
+
+
+def test_calibration_source_names_the_fit_each_setting_reads():
+    tf, loop = {"greedy": [0.5]}, {"temperatures": {"greedy": [0.7]}, "shifts": {"greedy": [-0.4]}}
+    both = {"calibration": {"temperatures": tf, "in_loop": loop}}
+    assert [calibration_source(both, s) for s in ("card", "held_out", "none")] == ["in_loop", "held_out", "none"]
+    assert calibration_source({"calibration": {"temperatures": tf}}) == "held_out"
+    assert calibration_source({}) == calibration_source({}, "held_out") == "none"
+    assert card_calibration(both, "none") == {"temperatures": None, "shifts": None}
+    with pytest.raises(ValueError, match="calibration must be one of"):
+        calibration_source(both, "tf")
 
 
 def test_the_drafter_reports_the_calibrated_survival_of_its_own_logits(deep):

@@ -156,18 +156,16 @@ class BlockSettings:
         if self.threshold is None:
             raise ValueError("dspark threshold must be a number in [0, 1] or 'auto' (dflash is the full block)")
         check_threshold(self.threshold)
-        if self.calibration not in ("card", "held_out", "none"):
-            raise ValueError(f"dspark calibration must be 'card', 'held_out' or 'none', got {self.calibration!r}")
+        from .drafters.block_calibration import SOURCES
+
+        if self.calibration not in SOURCES:
+            raise ValueError(f"dspark calibration must be one of {SOURCES}, got {self.calibration!r}")
 
     def survival_calibration(self, card: dict) -> dict:
         """The BlockDrafter keyword arguments ``temperatures`` / ``shifts`` this setting reads from ``card``."""
         from .drafters.block_calibration import card_calibration
 
-        if self.calibration == "none":
-            return {"temperatures": None, "shifts": None}
-        if self.calibration == "held_out":
-            return {"temperatures": card.get("calibration", {}).get("temperatures"), "shifts": None}
-        return card_calibration(card)
+        return card_calibration(card, self.calibration)
 
 
 @dataclass(frozen=True)
@@ -870,10 +868,9 @@ def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
             out[kind] = {"gamma": ctx.settings.block.gamma, "block_cost_s": cost, "checkpoint_steps": card.get("steps")}
             if kind == "dspark":
                 out[kind]["threshold"] = ctx.settings.block.threshold
-                cal = ctx.settings.block.calibration
-                if cal == "card":
-                    cal = "in_loop" if card.get("calibration", {}).get("in_loop") else "held_out"
-                out[kind]["calibration"] = cal
+                from .drafters.block_calibration import calibration_source
+
+                out[kind]["calibration"] = calibration_source(card, ctx.settings.block.calibration)
     return out
 
 

@@ -882,8 +882,8 @@ def ceiling(result: dict, concurrencies=(16,), max_new_tokens=(32,), alphas=(0.6
 
 def _load(model_name: str, dtype: str, kind: str, gamma: int | None = None, temperature: float = 0.0):
     """The target and a serving drafter from the committed checkpoints: DSpark's block (``gamma`` <= its trained
-    block; default the whole block) with its card's calibration temperatures, or an EAGLE chain of ``gamma`` tokens
-    (default 5; children drawn from q at T > 0) whose survivals are its top-1 path confidence x the card's
+    block; default the whole block) with its card's survival calibration (``card_calibration``), or an EAGLE chain
+    of ``gamma`` tokens (default 5; children drawn from q at T > 0) whose survivals are its top-1 path confidence x the card's
     calibration at this temperature (``EagleDrafter._chains``). Returns
     (model, tokenizer, drafter, {"checkpoint", "corpus_sha", "steps", "calibration"})."""
     from .drafters.block_calibration import card_calibration

@@ -38,14 +38,28 @@ import torch
 MODES = {"greedy": 0.0, "sampled": 1.0}  # the calibration mode -> the temperature its traces decode at
 
 
-def card_calibration(card: dict) -> dict:
-    """The BlockDrafter keyword arguments ``temperatures`` / ``shifts`` (per sampling mode) from a card: the in-loop
-    fit when the card has one, else DSpark's teacher-forced temperatures, else uncalibrated (both None)."""
+SOURCES = ("card", "held_out", "none")  # what a drafter's survival reads (bench knob ``dspark[calibration=...]``)
+
+
+def calibration_source(card: dict, source: str = "card") -> str:
+    """Which fit ``source`` resolves to for this card: "in_loop", "held_out" (DSpark's teacher-forced temperatures)
+    or "none". "card" = the in-loop fit when the card has one, else the held-out temperatures, else none."""
+    if source not in SOURCES:
+        raise ValueError(f"dspark calibration must be one of {SOURCES}, got {source!r}")
     cal = card.get("calibration") or {}
-    loop = cal.get("in_loop") or {}
-    if loop.get("temperatures"):
-        return {"temperatures": loop["temperatures"], "shifts": loop.get("shifts")}
-    return {"temperatures": cal.get("temperatures"), "shifts": None}
+    if source == "card":
+        source = "in_loop" if (cal.get("in_loop") or {}).get("temperatures") else "held_out"
+    return "none" if source == "held_out" and not cal.get("temperatures") else source
+
+
+def card_calibration(card: dict, source: str = "card") -> dict:
+    """The BlockDrafter keyword arguments ``temperatures`` / ``shifts`` (per sampling mode) that ``source`` reads
+    from a card (``calibration_source``); uncalibrated = both None."""
+    cal = card.get("calibration") or {}
+    which = calibration_source(card, source)
+    if which == "in_loop":
+        return {"temperatures": cal["in_loop"]["temperatures"], "shifts": cal["in_loop"].get("shifts")}
+    return {"temperatures": cal.get("temperatures") if which == "held_out" else None, "shifts": None}
 
 
 def loop_outcomes(steps: list[dict], gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
