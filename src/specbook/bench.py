@@ -136,6 +136,9 @@ class MtpSettings:
         check_size("mtp depth", self.depth)
 
 
+BLOCK_DRAFTS = ("auto", "eager", "compiled")
+
+
 @dataclass(frozen=True)
 class BlockSettings:
     """dflash / dspark: ``gamma`` draft tokens per block (<= the block trained); dspark's ``threshold``: a calibrated
@@ -143,11 +146,14 @@ class BlockSettings:
     position while it raises the expected tokens per second of this run's latency curve (drafters.dflash); dspark's
     ``calibration``: "card" = what the card says a drafter reads (its in-loop fit when it has one:
     drafters.block_calibration), "held_out" = DSpark's temperatures fitted on teacher-forced held-out blocks,
-    "none" = the raw confidence head. A variant puts two side by side: ``dspark[calibration=held_out]``."""
+    "none" = the raw confidence head. A variant puts two side by side: ``dspark[calibration=held_out]``. ``draft``:
+    how a step's block forward runs, "compiled" (drafters.block_compiled: one compiled graph per step), "eager", or
+    "auto" = compiled when the target's forward is (``dspark[draft=eager]`` beside it shows what compiling buys)."""
 
     gamma: int = 7
     threshold: float | str = "auto"
     calibration: str = "card"
+    draft: str = "auto"
 
     def __post_init__(self):
         from .drafters.dflash import check_gamma, check_threshold
@@ -160,6 +166,12 @@ class BlockSettings:
 
         if self.calibration not in SOURCES:
             raise ValueError(f"dspark calibration must be one of {SOURCES}, got {self.calibration!r}")
+        if self.draft not in BLOCK_DRAFTS:
+            raise ValueError(f"block draft must be one of {BLOCK_DRAFTS}, got {self.draft!r}")
+
+    def compiled(self, forward: str) -> bool:
+        """Whether the block drafters' step runs compiled with a target whose forward is ``forward``."""
+        return self.draft == "compiled" or (self.draft == "auto" and forward == "compiled")
 
     def survival_calibration(self, card: dict) -> dict:
         """The BlockDrafter keyword arguments ``temperatures`` / ``shifts`` this setting reads from ``card``."""
@@ -236,6 +248,7 @@ class Loaded:
     eagle3: tuple | None = None  # (head, card, measured draft cost in seconds)
     dflash: tuple | None = None  # (net, card, measured cost of one block forward in seconds)
     dspark: tuple | None = None  # (net, card, measured cost of one block forward in seconds)
+    compiled_blocks: dict = field(default_factory=dict)  # dflash / dspark -> (CompiledBlock, its measured step cost)
     toy: object = None  # a parallel_heads.ToyMTP whose ``lm`` is the run's model (self_spec)
     targets: dict = field(default_factory=dict)  # forward mode -> the target run that way ("hf": the model itself)
     latency_by: dict = field(default_factory=dict)  # forward mode -> its latency curve (variants of another mode)
@@ -817,12 +830,28 @@ def block_for(ctx: BenchContext, kind: str):
     return getattr(ctx.loaded, kind)
 
 
+def compiled_block_for(ctx: BenchContext, kind: str) -> tuple[object | None, float]:
+    """(the kind's CompiledBlock, one compiled step's measured cost) when this run's block drafters step compiled
+    (``BlockSettings.compiled``), else (None, the eager block forward's cost)."""
+    net, _, cost = block_for(ctx, kind)
+    if not ctx.settings.block.compiled(ctx.settings.target.forward):
+        return None, cost
+    if kind not in ctx.loaded.compiled_blocks:
+        from .drafters import head_rows
+        from .drafters.block_compiled import CompiledBlock
+
+        cb = CompiledBlock(net, head_rows(ctx.model.get_output_embeddings().weight, net.vocab)[0])
+        ctx.loaded.compiled_blocks[kind] = (cb, cb.measure_cost())
+    return ctx.loaded.compiled_blocks[kind]
+
+
 @method("dflash", "DFlash block drafter (data/checkpoints/dflash): gamma tokens in one parallel forward, lossless chain")
 def _dflash(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.dflash import BlockDrafter
 
     net, _, _ = block_for(ctx, "dflash")
-    return _spec(ctx, ids, BlockDrafter(ctx.model, net, gamma=ctx.settings.block.gamma), gen)
+    compiled, _ = compiled_block_for(ctx, "dflash")
+    return _spec(ctx, ids, BlockDrafter(ctx.model, net, gamma=ctx.settings.block.gamma, compiled=compiled), gen)
 
 
 @method("dspark", "DSpark (data/checkpoints/dspark): DFlash + Markov head, the block cut by the calibrated survival "
@@ -830,10 +859,12 @@ def _dflash(ctx: BenchContext, ids, mask, gen) -> RunStats:
 def _dspark(ctx: BenchContext, ids, mask, gen) -> RunStats:
     from .drafters.dflash import BlockDrafter
 
-    net, card, cost = block_for(ctx, "dspark")
+    net, card, _ = block_for(ctx, "dspark")
+    compiled, cost = compiled_block_for(ctx, "dspark")
     s = ctx.settings.block
     drafter = BlockDrafter(ctx.model, net, gamma=s.gamma, threshold=s.threshold, **s.survival_calibration(card),
-                           latency=latency_for(ctx) if s.threshold == "auto" else None, draft_cost=cost)
+                           latency=latency_for(ctx) if s.threshold == "auto" else None, draft_cost=cost,
+                           compiled=compiled)
     return _spec(ctx, ids, drafter, gen)
 
 
@@ -865,7 +896,10 @@ def settings_json(ctx: BenchContext, methods: list[str]) -> dict:
     for kind in ("dflash", "dspark"):
         if getattr(ctx.loaded, kind) is not None and kind in {parse_variant_base(m) for m in methods}:
             net, card, cost = getattr(ctx.loaded, kind)
-            out[kind] = {"gamma": ctx.settings.block.gamma, "block_cost_s": cost, "checkpoint_steps": card.get("steps")}
+            out[kind] = {"gamma": ctx.settings.block.gamma, "block_cost_s": cost, "checkpoint_steps": card.get("steps"),
+                         "draft": "compiled" if ctx.settings.block.compiled(ctx.settings.target.forward) else "eager"}
+            if kind in ctx.loaded.compiled_blocks:
+                out[kind]["compiled_step_cost_s"] = ctx.loaded.compiled_blocks[kind][1]
             if kind == "dspark":
                 out[kind]["threshold"] = ctx.settings.block.threshold
                 from .drafters.block_calibration import calibration_source
@@ -945,6 +979,9 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                   progress=progress)
     for t in (drafts := fast_drafts(loaded)).values():  # the draft models' graphs too (every bucket a step can use)
         t.warm_up(progress=progress)
+    blocks = compiled_blocks(loaded)
+    for cb in blocks.values():  # the block drafters' compiled steps: every context-buffer capacity a prompt can meet
+        cb.warm_up(max(ids.shape[1] for ids, _ in encoded) + max_new_tokens)
     tot, cat, per, mem = _interleaved(runners, methods, prompts, encoded, repeats, seed, progress)
     base = tot["ar"]["new_tokens"] / tot["ar"]["seconds"]
     rows = [{**_row(m, tot[m], base), "peak_mem_mb": round(mem[m], 1)} for m in methods]
@@ -965,11 +1002,19 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
                      "forward": settings.target.forward,
                      "checkpoints": {m: c for m, (_, mctx) in runners.items() if (c := checkpoints_json(mctx, m))},
                      **({"fast": {**{mode: t.stats.as_json() for mode, t in loaded.targets.items() if mode != "hf"},
-                                  **{name: t.stats.as_json() for name, t in drafts.items()}}}
-                        if fast else {})},
+                                  **{name: t.stats.as_json() for name, t in drafts.items()},
+                                  **{name: cb.stats_json() for name, cb in blocks.items()}}}
+                        if fast or blocks else {})},
         "rows": rows,
         "by_category": by_cat, "by_prompt": by_prompt_json(per, methods, prompts),
     }
+
+
+def compiled_blocks(loaded: Loaded) -> dict[str, object]:
+    """Every compiled block-drafter step of a run (its own and those of other checkpoint folders), named for the
+    JSON."""
+    return {f"{kind}[draft=compiled{', checkpoints=' + folder if folder else ''}]": cb
+            for folder, L in [("", loaded), *loaded.siblings.items()] for kind, (cb, _) in L.compiled_blocks.items()}
 
 
 def fast_drafts(loaded: Loaded) -> dict[str, object]:

@@ -8,6 +8,8 @@ the draft may stay in the target's cache:
 
 Both work on transformers' dynamic cache and on fastpath.StaticKVCache (rollback = moving its length).
 
+    GrowingKV                       a drafter's own append-only K/V (the block drafter's context), preallocated
+
 transformers 5.x ``Cache.crop(t)`` takes the number of tokens to *remove* as a negative int;
 ``crop_to`` hides that convention behind an absolute length.
 """
@@ -53,3 +55,63 @@ def keep_positions(cache, start: int, keep: torch.Tensor) -> None:
         idx = torch.cat([torch.arange(start, device=layer.keys.device), start + keep.to(layer.keys.device)])
         layer.keys = layer.keys.index_select(-2, idx)
         layer.values = layer.values.index_select(-2, idx)
+
+
+class GrowingKV:
+    """One sequence's keys / values for several layers, preallocated [1, h, capacity, d] per layer and doubled when
+    outgrown, so appending never copies what is already there.
+
+    ``append`` commits new positions after the ``n`` committed ones. ``slot(layer)`` is what an attention reads
+    its context from: ``slot.join(k, v)`` writes a block's own K/V after the committed positions (scratch: the next
+    ``append`` or ``join`` overwrites it) and returns views [1, h, n + Q, d] of [committed ; block], the same
+    values as ``torch.cat`` without copying the committed part."""
+
+    def __init__(self, capacity: int = 256):
+        if capacity < 1 or capacity & (capacity - 1):
+            raise ValueError(f"GrowingKV capacity must be a power of two, got {capacity}")
+        self.capacity, self.n = capacity, 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def reserve(self, like: torch.Tensor, layers: int, need: int) -> None:
+        """Room for ``need`` slots in ``layers`` layers of ``like``'s heads / dtype; capacities are powers of two
+        (at least ``capacity``), so fixed-shape consumers see few sizes (block_compiled: one graph each)."""
+        if not self.k:
+            shape = (1, like.shape[1], max(self.capacity, 1 << (need - 1).bit_length()), like.shape[3])
+            self.k = [like.new_zeros(shape) for _ in range(layers)]
+            self.v = [like.new_zeros(shape) for _ in range(layers)]
+        elif need > self.k[0].shape[2]:
+            size = 1 << (need - 1).bit_length()
+            grow = lambda t: torch.cat([t[:, :, :self.n], t.new_zeros(t.shape[0], t.shape[1], size - self.n,  # noqa: E731
+                                                                                    t.shape[3])], 2)
+            self.k, self.v = [grow(t) for t in self.k], [grow(t) for t in self.v]
+
+    def append(self, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """kvs: per layer (k, v) [1, h, m, d] of the next m positions."""
+        m = kvs[0][0].shape[2]
+        self.reserve(kvs[0][0], len(kvs), self.n + m)
+        for i, (k, v) in enumerate(kvs):
+            self.k[i][:, :, self.n:self.n + m] = k
+            self.v[i][:, :, self.n:self.n + m] = v
+        self.n += m
+
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer the committed (k, v) [1, h, n, d] (views: valid until the next ``append``)."""
+        return [(k[:, :, :self.n], v[:, :, :self.n]) for k, v in zip(self.k, self.v)]
+
+    def slot(self, layer: int) -> "_Slot":
+        return _Slot(self, layer)
+
+
+class _Slot:
+    def __init__(self, kv: GrowingKV, layer: int):
+        self.kv, self.layer = kv, layer
+
+    def join(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [1, h, Q, d] the block's own -> [committed ; block] [1, h, n + Q, d]."""
+        kv, Q = self.kv, k.shape[2]
+        kv.reserve(k, self.layer + 1, kv.n + Q)
+        end = kv.n + Q
+        kv.k[self.layer][:, :, kv.n:end] = k
+        kv.v[self.layer][:, :, kv.n:end] = v
+        return kv.k[self.layer][:, :, :end], kv.v[self.layer][:, :, :end]

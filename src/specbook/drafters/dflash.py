@@ -59,7 +59,7 @@ import math
 import torch
 from torch import nn
 
-from ..cache import right_padded
+from ..cache import GrowingKV, right_padded
 from ..calibration import auroc, brier, ece
 from ..decoding import Drafter, SpecState, shared_sampling
 from ..sampling import probs_from, sample
@@ -113,12 +113,16 @@ class BlockAttention(Eagle3Attention):
         return k * cos + _rotate_half(k) * sin, v
 
     def forward(self, x, cos, sin, ctx_kv, mask=None):
-        """x [B, Q, H] normed block states; ctx_kv (k, v) [B, nkv, C, hd]; mask None (all visible) or bool
-        [B, 1, Q, C + Q] (True = may attend) -> [B, Q, H]."""
+        """x [B, Q, H] normed block states; ctx_kv (k, v) [B, nkv, C, hd], or a drafter's ``GrowingKV`` slot (its
+        ``join`` writes the block's K/V after the context instead of concatenating); mask None (all visible) or
+        bool [B, 1, Q, C + Q] (True = may attend) -> [B, Q, H]."""
         q = self._heads(self.q_proj(x), self.nh)
         q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
         k, v = self.kv(x, cos, sin)
-        k, v = torch.cat([ctx_kv[0], k], 2), torch.cat([ctx_kv[1], v], 2)
+        if isinstance(ctx_kv, tuple):
+            k, v = torch.cat([ctx_kv[0], k], 2), torch.cat([ctx_kv[1], v], 2)
+        else:
+            k, v = ctx_kv.join(k, v)
         o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                        enable_gqa=self.nkv != self.nh)
         return self.out(o)
@@ -188,14 +192,33 @@ class BlockNet(nn.Module):
         """feats [B, C, m * H] the taps' states -> ctx [B, C, H] = hidden_norm(fc(feats))."""
         return self.hidden_norm(self.fc(feats))
 
-    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each draft layer's keys / values of the context: [(k, v) [B, nkv, C, hd]] (rotary at ``positions``)."""
-        cos, sin = self.rotary_emb(ctx, position_ids=positions)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, S] -> rotary (cos, sin) [B, S, hd] in ``dtype``: rows of a table ``rotary_emb`` computed
+        once (each position's row does not depend on the others, so the values are the same), regrown when a
+        position passes it."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        table = getattr(self, "_rope", None)
+        if table is None or table[0].shape[1] < need or table[0].device != positions.device:
+            n = max(need, 2 * table[0].shape[1] if table is not None else 1024)
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor: training reads it too
+                pos = torch.arange(n, device=positions.device)[None]
+                table = self.rotary_emb(torch.zeros(1, device=positions.device), position_ids=pos)
+            self._rope = table
+        cos, sin = table
+        return cos[0][positions].to(dtype), sin[0][positions].to(dtype)
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor | None,
+                   rope: tuple | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each draft layer's keys / values of the context: [(k, v) [B, nkv, C, hd]] (rotary at ``positions``, or
+        the rows ``rope`` = (cos, sin) given)."""
+        cos, sin = self.rope(positions, ctx.dtype) if rope is None else rope
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
-    def block(self, emb: torch.Tensor, positions: torch.Tensor, ctx_kv, mask=None) -> torch.Tensor:
-        """emb [B, Q, H] (anchor embedding / mask embedding), positions [B, Q] -> normed states [B, Q, H]."""
-        cos, sin = self.rotary_emb(emb, position_ids=positions)
+    def block(self, emb: torch.Tensor, positions: torch.Tensor | None, ctx_kv, mask=None,
+              rope: tuple | None = None) -> torch.Tensor:
+        """emb [B, Q, H] (anchor embedding / mask embedding), positions [B, Q] (or their rotary rows ``rope``),
+        ctx_kv per layer (k, v) or a slot with ``join`` -> normed states [B, Q, H]."""
+        cos, sin = self.rope(positions, emb.dtype) if rope is None else rope
         h = emb
         for layer, kv in zip(self.layers, ctx_kv):
             h = layer(h, cos, sin, kv, mask)
@@ -573,13 +596,15 @@ class BlockDrafter(Drafter):
     (1 + sum_{i<=k} a_i) / (draft_cost + latency(k + 1)) of the measured ``latency`` curve (stop at the first position
     that does not). Both read a_k before x_k is drawn: lossless. ``temperatures`` / ``shifts``: the card's calibration
     per sampling mode ({"greedy": [...], "sampled": [...]}; ``block_calibration.card_calibration`` picks them),
-    a_k = prod_{i<=k} sigmoid(z_i / t_i + b_i); None = uncalibrated (t = 1, b = 0)."""
+    a_k = prod_{i<=k} sigmoid(z_i / t_i + b_i); None = uncalibrated (t = 1, b = 0). ``compiled``: the net's
+    ``block_compiled.CompiledBlock``, which runs the context update, the block forward and the LM head as one
+    compiled graph (None = eagerly)."""
 
     needs_hidden = True
 
     def __init__(self, target, net: BlockNet, *, gamma: int | None = None, threshold=None,
                  temperatures: dict | None = None, shifts: dict | None = None, latency: dict | None = None,
-                 draft_cost: float = 0.0):
+                 draft_cost: float = 0.0, compiled=None):
         gamma = net.gamma if gamma is None else check_gamma(gamma)
         if gamma > net.gamma:
             raise ValueError(f"gamma {gamma} is longer than the block of {net.gamma} this drafter was trained for")
@@ -600,6 +625,9 @@ class BlockDrafter(Drafter):
         self.confidences = net.confidence is not None
         self.temperatures, self.shifts = temperatures or {}, shifts or {}
         self.latency, self.draft_cost = latency, float(draft_cost)
+        if compiled is not None and compiled.net is not net:
+            raise ValueError("compiled= is another network's compiled step (block_compiled.CompiledBlock(net, ...))")
+        self.compiled = compiled
         self.E = target.get_input_embeddings()
         self.V = target.get_output_embeddings().weight.shape[0]
         self.forwards = 0
@@ -607,7 +635,7 @@ class BlockDrafter(Drafter):
         self.confidence_logits: list[list[float]] = []  # per step: the confidence head's z_k, same positions
 
     def begin(self, state: SpecState) -> None:
-        self.kv = None  # per layer (k, v) of the committed context
+        self.ctx = GrowingKV()  # per draft layer the committed context's K/V
         self.n_ctx = 0
         self.survival, self.confidence_logits = [], []
 
@@ -630,18 +658,25 @@ class BlockDrafter(Drafter):
 
         return rate(k) > rate(k - 1)
 
-    def _extend_context(self, state: SpecState) -> int:
-        """Step 1: the context K/V of the newly committed positions, per draft layer. Returns n = len(tokens)."""
-        net, dev, dt = self.net, self.W.device, self.W.dtype
+    def _new_states(self, state: SpecState) -> tuple[int, torch.Tensor]:
+        """n = len(tokens) and the target's states [m, mH] of the newly committed positions n-1-m..n-2."""
         n = len(state.tokens)  # the target has states for positions 0..n-2
-        hid = state.target_hidden.to(dt)
+        hid = state.target_hidden.to(self.W.dtype)
         if n - 1 - hid.shape[0] != self.n_ctx:
             raise RuntimeError(f"block drafter has context up to {self.n_ctx} but new states start at "
                                f"{n - 1 - hid.shape[0]}: call begin() for a new sequence")
-        new = net.context_kv(net.context(hid[None]), torch.arange(self.n_ctx, n - 1, device=dev)[None])
-        self.kv = new if self.kv is None else [(torch.cat([k0, k], 2), torch.cat([v0, v], 2))
-                                               for (k0, v0), (k, v) in zip(self.kv, new)]
-        self.n_ctx = n - 1
+        return n, hid
+
+    def _extend_context_eager(self, hid: torch.Tensor) -> None:
+        """The context K/V of new positions (states hid [m, mH]), per draft layer, appended to ``ctx``."""
+        net, pos = self.net, torch.arange(self.n_ctx, self.n_ctx + hid.shape[0], device=self.W.device)[None]
+        self.ctx.append(net.context_kv(net.context(hid[None]), pos))
+        self.n_ctx += hid.shape[0]
+
+    def _extend_context(self, state: SpecState) -> int:
+        """Step 1: the context K/V of the newly committed positions, per draft layer. Returns n = len(tokens)."""
+        n, hid = self._new_states(state)
+        self._extend_context_eager(hid)
         return n
 
     def _block_inputs(self, state: SpecState, n: int):
@@ -653,11 +688,16 @@ class BlockDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, state: SpecState) -> DraftTree:
-        n = self._extend_context(state)
-        emb, pos = self._block_inputs(state, n)
-        h = self.net.block(emb, pos, self.kv)[:, 1:]  # 2. ONE forward over [anchor, mask x gamma] -> [1, g, H]
+        if self.compiled is not None:  # steps 1 and 2 (and the LM head) as one compiled graph
+            n, hid = self._new_states(state)
+            h, base = self.compiled(self, hid, self._block_inputs(state, n)[0], n)
+        else:
+            n = self._extend_context(state)
+            emb, pos = self._block_inputs(state, n)
+            slots = [self.ctx.slot(i) for i in range(len(self.net.layers))]
+            h, base = self.net.block(emb, pos, slots)[:, 1:], None  # 2. ONE forward over [anchor, mask x gamma]
         self.forwards += 1
-        return BlockDrafter._draw([self], [state], h)[0]
+        return BlockDrafter._draw([self], [state], h, base)[0]
 
     @staticmethod
     @torch.inference_mode()
@@ -670,7 +710,8 @@ class BlockDrafter(Drafter):
         inputs = [d._block_inputs(s, n) for d, s, n in zip(drafters, states, ns)]
         emb, pos = torch.cat([e for e, _ in inputs]), torch.cat([p for _, p in inputs])
         C, Q = max(d.n_ctx for d in drafters), emb.shape[1]
-        kv = [(right_padded([d.kv[layer][0] for d in drafters]), right_padded([d.kv[layer][1] for d in drafters]))
+        views = [d.ctx.views() for d in drafters]
+        kv = [(right_padded([v[layer][0] for v in views]), right_padded([v[layer][1] for v in views]))
               for layer in range(len(drafters[0].net.layers))]
         ctx_ok = torch.arange(C)[None] < torch.tensor([d.n_ctx for d in drafters])[:, None]  # [R, C]
         mask = torch.cat([ctx_ok, torch.ones(len(drafters), Q, dtype=torch.bool)], 1)[:, None, None]
@@ -682,7 +723,8 @@ class BlockDrafter(Drafter):
         return BlockDrafter._draw(drafters, states, h)
 
     @staticmethod
-    def _draw(drafters: list["BlockDrafter"], states: list[SpecState], h: torch.Tensor) -> list[DraftTree]:
+    def _draw(drafters: list["BlockDrafter"], states: list[SpecState], h: torch.Tensor,
+              base: torch.Tensor | None = None) -> list[DraftTree]:
         """Step 3 for R rows sharing one network and one sampling config / generator: h [R, g, H] the blocks'
         normed states -> per row its tokens, drawn left to right (the Markov head reads x_{k-1}; the survival a_k
         is known before x_k is drawn). All rows advance together, one position at a time; a row whose own cut
@@ -690,7 +732,7 @@ class BlockDrafter(Drafter):
         draws exactly what it would alone)."""
         d0, state, R = drafters[0], states[0], len(drafters)
         net, dev, sampling = d0.net, d0.W.device, state.sampling
-        base = h @ d0.W.T  # [R, g, Vd]
+        base = h @ d0.W.T if base is None else base  # [R, g, Vd]
         prev = torch.tensor([s.tokens[-1] for s in states], device=dev)  # [R] target ids
         temps, shifts = d0._calibration(sampling)
         live = list(range(R))
