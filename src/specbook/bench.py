@@ -944,9 +944,8 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
     ``loaded``: drafters / measurements to reuse (``preload``). A method may be a variant with some settings
     changed, e.g. ``"eagle2[children=iid]"`` or ``"ar[forward=hf]"`` (``parse_variant``). A compiled target's graphs
     are all built before the timed runs; their seconds are in the JSON (``settings.fast``), never in a figure."""
-    import dataclasses
 
-    from .decoding import MAX_BLOCK, encode
+    from .decoding import encode
     from .models import load_model
 
     unknown = [m for m in methods if parse_variant_base(m) not in METHODS]
@@ -967,21 +966,7 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
     ctx = BenchContext(model=target, tokenizer=tokenizer, sampling=sampling, max_new_tokens=max_new_tokens,
                        settings=settings, loaded=loaded)
     runners = {m: _variant_ctx(ctx, m) for m in methods}
-    fast = [t for mode, t in loaded.targets.items() if mode != "hf"]
-    for t in fast:  # one cache capacity for the whole run: one set of compiled graphs serves every request
-        t.reserve(max(ids.shape[1] for ids, _ in encoded) + max_new_tokens + MAX_BLOCK)
-    # warm-up: one short run of every method (allocations, thread pools, lazy state; a variant's own trees)
-    for m, (fn, mctx) in runners.items():
-        fn(dataclasses.replace(mctx, max_new_tokens=8), *encoded[0],
-           torch.Generator().manual_seed(seed) if not sampling.greedy else None)
-    for t in fast:  # every bucket compiled now (with hidden states too where a drafter asked for them)
-        t.warm_up(hidden=tuple(sorted({k.endswith("+hidden") for k in t.stats.warmup_s} | {False})),
-                  progress=progress)
-    for t in (drafts := fast_drafts(loaded)).values():  # the draft models' graphs too (every bucket a step can use)
-        t.warm_up(progress=progress)
-    blocks = compiled_blocks(loaded)
-    for cb in blocks.values():  # the block drafters' compiled steps: every context-buffer capacity a prompt can meet
-        cb.warm_up(max(ids.shape[1] for ids, _ in encoded) + max_new_tokens)
+    fast, drafts, blocks = _warm_up(loaded, runners, encoded, max_new_tokens, seed, progress)
     tot, cat, per, mem = _interleaved(runners, methods, prompts, encoded, repeats, seed, progress)
     base = tot["ar"]["new_tokens"] / tot["ar"]["seconds"]
     rows = [{**_row(m, tot[m], base), "peak_mem_mb": round(mem[m], 1)} for m in methods]
@@ -1008,6 +993,30 @@ def run_bench(methods: list[str], prompts: list[dict], *, model_name: str = "smo
         "rows": rows,
         "by_category": by_cat, "by_prompt": by_prompt_json(per, methods, prompts),
     }
+
+
+def _warm_up(loaded: Loaded, runners: dict, encoded: list, max_new_tokens: int, seed: int, progress: bool):
+    """Before the timed runs: one short run of every method (allocations, thread pools, lazy state; a variant's own
+    trees), then every graph a timed run could need compiled -> (compiled targets, draft models, block steps)."""
+    import dataclasses
+
+    from .decoding import MAX_BLOCK
+
+    longest = max(ids.shape[1] for ids, _ in encoded) + max_new_tokens
+    fast = [t for mode, t in loaded.targets.items() if mode != "hf"]
+    for t in fast:  # one cache capacity for the whole run: one set of compiled graphs serves every request
+        t.reserve(longest + MAX_BLOCK)
+    for m, (fn, mctx) in runners.items():
+        fn(dataclasses.replace(mctx, max_new_tokens=8), *encoded[0],
+           torch.Generator().manual_seed(seed) if not mctx.sampling.greedy else None)
+    for t in fast:  # every bucket compiled now (with hidden states too where a drafter asked for them)
+        t.warm_up(hidden=tuple(sorted({k.endswith("+hidden") for k in t.stats.warmup_s} | {False})),
+                  progress=progress)
+    for t in (drafts := fast_drafts(loaded)).values():  # the draft models' graphs too (every bucket a step can use)
+        t.warm_up(progress=progress)
+    for cb in (blocks := compiled_blocks(loaded)).values():  # the block drafters' steps: every buffer capacity
+        cb.warm_up(longest)
+    return fast, drafts, blocks
 
 
 def compiled_blocks(loaded: Loaded) -> dict[str, object]:

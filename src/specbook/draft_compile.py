@@ -5,7 +5,8 @@ heads and top-k) — taken eager and with the head's forward ``torch.compile``d,
 Two compiled sides: fixed shapes (the measured shapes on every call, cache cropped back after each run, so no
 recompile is timed: compilation's best case) and dynamic shapes (a graph general in the lengths, as drafting needs:
 every step meets a new cache length). Where compiling does not beat eager, the drafter stays eager on the fast
-path; the verdict is measured here, per machine, not assumed.
+path; the verdict is measured here, per machine, not assumed. (DFlash / DSpark on the fast path compile their whole
+step with the target's settings instead, frozen weights included: drafters.block_compiled.)
 
     python -m specbook.draft_compile --json docs/bench/cpu_bf16_draft_compile.json
 """
