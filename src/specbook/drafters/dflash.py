@@ -750,23 +750,31 @@ class BlockDrafter(Drafter):
                     live = [r for r in live if drafters[r]._keep(k, a[r])]
             if not live:
                 break
-            q = probs_from(logits[live].float(), sampling)  # [live, Vd]
-            i = q.argmax(-1) if sampling.greedy else sample(q, state.generator)
+            if sampling.greedy:  # the argmax: a one-hot pick, which carries no q (verify.DraftTree)
+                i = logits[live].argmax(-1)
+            else:
+                q = probs_from(logits[live].float(), sampling)  # [live, Vd]
+                i = sample(q, state.generator)
             x = net.vocab[i]  # [live] target ids
             prev[live] = x
             for j, r in enumerate(live):
                 toks[r].append(int(x[j]))
-                qs[r].append(q[j])
+                if not sampling.greedy:
+                    qs[r].append(q[j])
         return [d._drawn(t, qq, aa, zz) for d, t, qq, aa, zz in zip(drafters, toks, qs, a, zs)]
 
     def _drawn(self, toks: list[int], qs: list[torch.Tensor], a: list[float], zs: list[float]) -> DraftTree:
-        """One row's draw -> its DraftTree (q over the target vocabulary); the survivals and confidence logits of the
-        proposed positions (and the first one cut) are kept in ``survival`` / ``confidence_logits``."""
+        """One row's draw -> its DraftTree (q over the target vocabulary; None for greedy picks, ``qs`` empty); the
+        survivals and confidence logits of the proposed positions (and the first one cut) are kept in ``survival`` /
+        ``confidence_logits``."""
         self.survival.append(a)
         self.confidence_logits.append(zs)
         if not toks:
             return DraftTree.chain(torch.zeros(0, dtype=torch.long), torch.zeros(0, self.V))
         t = torch.tensor(toks, dtype=torch.long)
+        if not qs:
+            return DraftTree(t, torch.arange(-1, len(toks) - 1), None,
+                             confidence=torch.tensor(a[:len(toks)]) if a else None)
         q_full = torch.zeros(len(qs), self.V, device=self.W.device).index_copy_(1, self.net.vocab, torch.stack(qs))
         return DraftTree(t, torch.arange(-1, len(toks) - 1), q_full,
                          confidence=torch.tensor(a[:len(toks)]) if a else None)
