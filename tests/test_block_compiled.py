@@ -88,7 +88,8 @@ def test_one_graph_per_capacity_and_lossless_at_t0(deep):
     assert res.tokens[0] == generate(deep, ids, max_new_tokens=30, eos_token_id=-1).tokens[0]
     assert _graphs_built() == built  # the warmed-up graph served every step: no compile inside the decode
     assert set(cb.warm_up(300)) == {256, 512}
-    assert cb.measure_cost(context=16, repeats=1) > 0
+    assert cb.stats_json()["warmup_total_s"] > 0
+    assert cb.measure_cost(context=16, repeats=1) > 0 and set(cb.warmup_s) == {256, 512}  # no graph below 256
     with pytest.raises(ValueError, match="another network"):
         BlockDrafter(deep, _dspark(deep, seed=5), compiled=cb)
 

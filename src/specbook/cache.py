@@ -66,7 +66,9 @@ class GrowingKV:
     ``append`` or ``join`` overwrites it) and returns views [1, h, n + Q, d] of [committed ; block], the same
     values as ``torch.cat`` without copying the committed part."""
 
-    def __init__(self, capacity: int = 256):
+    CAPACITY = 256  # the smallest buffer
+
+    def __init__(self, capacity: int = CAPACITY):
         if capacity < 1 or capacity & (capacity - 1):
             raise ValueError(f"GrowingKV capacity must be a power of two, got {capacity}")
         self.capacity, self.n = capacity, 0

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import GrowingKV
+
 
 class _BufferSlot:
     """A draft layer's K/V buffers [1, nkv, cap, hd]: ``join`` writes the block's K/V at ``idx`` [Q] and returns the
@@ -63,20 +65,24 @@ class CompiledBlock:
                 torch.tensor(context + Q, device=dev), *bufs)
 
     @torch.inference_mode()
-    def warm_up(self, tokens: int, smallest: int = 256) -> dict[int, float]:
+    def warm_up(self, tokens: int, smallest: int = GrowingKV.CAPACITY) -> dict[int, float]:
         """Build the graph of every buffer capacity a sequence of up to ``tokens`` tokens can meet (the powers of
         two from ``smallest``, GrowingKV's sizes), so none compiles inside a timed run -> {capacity: seconds}."""
-        import time
-
         need, cap = tokens + 2 * self.rows, smallest
         while True:
-            if cap not in self.warmup_s:
-                t0 = time.perf_counter()
-                self.fn(*self._dummy(cap, 0))
-                self.warmup_s[cap] = time.perf_counter() - t0
+            self._build(cap)
             if cap >= need:
                 return dict(self.warmup_s)
             cap *= 2
+
+    def _build(self, capacity: int) -> None:
+        """The graph for buffers of ``capacity`` slots, built (by a call on zeros, timed) unless it is already."""
+        import time
+
+        if capacity not in self.warmup_s:
+            t0 = time.perf_counter()
+            self.fn(*self._dummy(capacity, 0))
+            self.warmup_s[capacity] = time.perf_counter() - t0
 
     @torch.inference_mode()
     def measure_cost(self, context: int = 256, repeats: int = 5) -> float:
@@ -84,7 +90,9 @@ class CompiledBlock:
         included: the drafting cost the "auto" cut prices (as ``dflash.measure_draft_cost`` eagerly)."""
         from ..roofline import median_seconds
 
-        inputs = self._dummy(1 << (context + 2 * self.rows - 1).bit_length(), context)
+        cap = max(GrowingKV.CAPACITY, 1 << (context + 2 * self.rows - 1).bit_length())
+        self._build(cap)
+        inputs = self._dummy(cap, context)
         return median_seconds(lambda: torch.softmax(self.fn(*inputs)[1].float(), -1), repeats)
 
     def stats_json(self) -> dict:
@@ -123,6 +131,7 @@ class CompiledBlock:
         blk_idx = torch.arange(n0 + m, n0 + m + Q, device=dev)
         cos, sin = net.rope(blk_idx[None], dt)
         bufs = [t for pair in zip(kv.k, kv.v) for t in pair]
+        self._build(bufs[0].shape[2])  # a capacity no warm-up built compiles here, its seconds recorded
         h, base = self.fn(pad, ctx_cos, ctx_sin, ctx_idx, emb, cos, sin, blk_idx,
                           torch.tensor(n0 + m + Q, device=dev), *bufs)
         self.calls += 1
