@@ -90,8 +90,14 @@ def test_one_graph_per_capacity_and_lossless_at_t0(deep):
     assert set(cb.warm_up(300)) == {256, 512}
     assert cb.stats_json()["warmup_total_s"] > 0
     assert cb.measure_cost(context=16, repeats=1) > 0 and set(cb.warmup_s) == {256, 512}  # no graph below 256
-    with pytest.raises(ValueError, match="another network"):
+    with pytest.raises(ValueError, match="another network or block"):
         BlockDrafter(deep, _dspark(deep, seed=5), compiled=cb)
+    with pytest.raises(ValueError, match="another network or block"):
+        BlockDrafter(deep, net, gamma=2, compiled=cb)
+    short = CompiledBlock(net, cb.W, gamma=2, compile=False)  # a shorter block than trained: its own step
+    res = speculative_generate(deep, BlockDrafter(deep, net, gamma=2, compiled=short), ids, max_new_tokens=30,
+                               eos_token_id=-1)
+    assert res.tokens[0] == generate(deep, ids, max_new_tokens=30, eos_token_id=-1).tokens[0] and short.calls > 0
 
 
 def test_bench_block_draft_setting():

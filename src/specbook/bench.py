@@ -248,7 +248,7 @@ class Loaded:
     eagle3: tuple | None = None  # (head, card, measured draft cost in seconds)
     dflash: tuple | None = None  # (net, card, measured cost of one block forward in seconds)
     dspark: tuple | None = None  # (net, card, measured cost of one block forward in seconds)
-    compiled_blocks: dict = field(default_factory=dict)  # dflash / dspark -> (CompiledBlock, its measured step cost)
+    compiled_blocks: dict = field(default_factory=dict)  # "dspark" (or "dspark[gamma=4]") -> (CompiledBlock, its step cost)
     toy: object = None  # a parallel_heads.ToyMTP whose ``lm`` is the run's model (self_spec)
     targets: dict = field(default_factory=dict)  # forward mode -> the target run that way ("hf": the model itself)
     latency_by: dict = field(default_factory=dict)  # forward mode -> its latency curve (variants of another mode)
@@ -836,13 +836,15 @@ def compiled_block_for(ctx: BenchContext, kind: str) -> tuple[object | None, flo
     net, _, cost = block_for(ctx, kind)
     if not ctx.settings.block.compiled(ctx.settings.target.forward):
         return None, cost
-    if kind not in ctx.loaded.compiled_blocks:
+    key = kind if ctx.settings.block.gamma == net.gamma else f"{kind}[gamma={ctx.settings.block.gamma}]"
+    if key not in ctx.loaded.compiled_blocks:
         from .drafters import head_rows
         from .drafters.block_compiled import CompiledBlock
 
-        cb = CompiledBlock(net, head_rows(ctx.model.get_output_embeddings().weight, net.vocab)[0])
-        ctx.loaded.compiled_blocks[kind] = (cb, cb.measure_cost())
-    return ctx.loaded.compiled_blocks[kind]
+        cb = CompiledBlock(net, head_rows(ctx.model.get_output_embeddings().weight, net.vocab)[0],
+                           gamma=ctx.settings.block.gamma)
+        ctx.loaded.compiled_blocks[key] = (cb, cb.measure_cost())
+    return ctx.loaded.compiled_blocks[key]
 
 
 @method("dflash", "DFlash block drafter (data/checkpoints/dflash): gamma tokens in one parallel forward, lossless chain")
@@ -1022,8 +1024,8 @@ def _warm_up(loaded: Loaded, runners: dict, encoded: list, max_new_tokens: int, 
 def compiled_blocks(loaded: Loaded) -> dict[str, object]:
     """Every compiled block-drafter step of a run (its own and those of other checkpoint folders), named for the
     JSON."""
-    return {f"{kind}[draft=compiled{', checkpoints=' + folder if folder else ''}]": cb
-            for folder, L in [("", loaded), *loaded.siblings.items()] for kind, (cb, _) in L.compiled_blocks.items()}
+    return {f"{key.split('[')[0]}[draft=compiled, gamma={cb.gamma}{', checkpoints=' + folder if folder else ''}]": cb
+            for folder, L in [("", loaded), *loaded.siblings.items()] for key, (cb, _) in L.compiled_blocks.items()}
 
 
 def fast_drafts(loaded: Loaded) -> dict[str, object]:

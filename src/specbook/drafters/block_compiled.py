@@ -41,13 +41,15 @@ class _BufferSlot:
 
 
 class CompiledBlock:
-    """One net's compiled step, shared by every drafter of that net (the graphs are built on the first call at each
-    buffer capacity). ``W`` [Vd, H]: the LM-head rows of the draft vocabulary."""
+    """One net's compiled step for blocks of ``gamma`` (default the trained block), shared by every drafter of that
+    net and gamma (the graphs are built on the first call at each buffer capacity). ``W`` [Vd, H]: the LM-head rows
+    of the draft vocabulary."""
 
-    def __init__(self, net, W: torch.Tensor, compile: bool = True):
+    def __init__(self, net, W: torch.Tensor, gamma: int | None = None, compile: bool = True):
         from ..fastpath import _compiled
 
-        self.net, self.W, self.rows = net, W, net.gamma + 1
+        self.gamma = net.gamma if gamma is None else gamma
+        self.net, self.W, self.rows = net, W, self.gamma + 1
         self.fn = _compiled(self.step) if compile else self.step
         self.calls = 0
         self.warmup_s: dict[int, float] = {}  # buffer capacity -> seconds of its first (compiling) call

@@ -625,8 +625,9 @@ class BlockDrafter(Drafter):
         self.confidences = net.confidence is not None
         self.temperatures, self.shifts = temperatures or {}, shifts or {}
         self.latency, self.draft_cost = latency, float(draft_cost)
-        if compiled is not None and compiled.net is not net:
-            raise ValueError("compiled= is another network's compiled step (block_compiled.CompiledBlock(net, ...))")
+        if compiled is not None and (compiled.net is not net or compiled.gamma != gamma):
+            raise ValueError(f"compiled= is the compiled step of another network or block (gamma {compiled.gamma}, "
+                             f"this drafter's {gamma}): block_compiled.CompiledBlock(net, W, gamma)")
         self.compiled = compiled
         self.E = target.get_input_embeddings()
         self.V = target.get_output_embeddings().weight.shape[0]
