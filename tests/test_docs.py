@@ -203,6 +203,21 @@ def test_change_interval_is_a_paired_bootstrap_over_prompts():
     assert report._change_cell(2.0, 1.5, (-0.4, -0.1)) == "-25.0% [-40, -10]"
 
 
+def test_versus_lines_compare_a_method_with_its_rival_per_second_and_per_forward():
+    """A run holding dspark and eagle2: dspark's tokens/s and tau against eagle2's, each interval paired over the
+    prompts; a dspark twice as fast on every prompt reads [+100, +100] for speed whatever its tau."""
+    bp = {"categories": ["qa", "qa", "rag"], "methods": {
+        "eagle2": {"new_tokens": [30, 50, 20], "target_forwards": [10, 20, 10], "seconds": [1.0, 2.0, 1.0]},
+        "dspark": {"new_tokens": [30, 50, 20], "target_forwards": [15, 25, 10], "seconds": [0.5, 1.0, 0.5]}}}
+    rows = [{"method": "ar", "tokens_per_s": 10.0, "tau": 1.0}, {"method": "eagle2", "tokens_per_s": 25.0, "tau": 2.5},
+            {"method": "dspark", "tokens_per_s": 50.0, "tau": 2.0}]
+    line = report.versus_lines({"rows": rows, "by_prompt": bp})
+    assert line.startswith("- dspark against eagle2 in this run: tokens/s +100.0% [+100, +100], tau -20.0% [")
+    assert report.change_interval({"by_prompt": bp}, "eagle2", "dspark", ["qa", "rag"], per="seconds") == \
+        pytest.approx((1.0, 1.0))
+    assert report.versus_lines({"rows": rows[:2], "by_prompt": bp}) == ""  # no dspark in the run: no line
+
+
 def test_checkpoint_table_names_the_losses_beyond_noise():
     """With per-prompt counts, each change gets its interval, and a category is named as losing more than 5% only
     when its whole interval lies below -5%."""

@@ -137,27 +137,48 @@ LOSS_BAR = -0.05  # the bar a retrained drafter is held to: at most 5% less tau 
 
 
 def change_interval(d: dict, a: str, b: str, group: list[str], draws: int = 2000, level: float = 0.95,
-                    seed: int = 0) -> tuple[float, float] | None:
-    """A paired bootstrap interval for tau(b) / tau(a) - 1 pooled over the prompts of ``group``'s categories: each
-    draw resamples the prompts with replacement within each category, and both methods keep the same draw (they ran
-    the same prompts, so each prompt's pair stays together and what the two share cancels). None for a run without
-    per-prompt counts (``by_prompt``: bench JSONs older than it) or without both methods' forwards."""
+                    seed: int = 0, per: str = "target_forwards") -> tuple[float, float] | None:
+    """A paired bootstrap interval for tau(b) / tau(a) - 1 (``per="seconds"``: tokens per second instead of per
+    target forward) pooled over the prompts of ``group``'s categories: each draw resamples the prompts with
+    replacement within each category, and both methods keep the same draw (they ran the same prompts, so each
+    prompt's pair stays together and what the two share cancels). None for a run without per-prompt counts
+    (``by_prompt``: bench JSONs older than it) or without both methods' counts."""
     import numpy as np
 
     bp = d.get("by_prompt") or {}
     meth = bp.get("methods", {})
-    if a not in meth or b not in meth or None in meth[a]["target_forwards"] + meth[b]["target_forwards"]:
+    if a not in meth or b not in meth or None in meth[a].get(per, [None]) + meth[b].get(per, [None]):
         return None
     cats = np.array(bp["categories"])
     idx = [i for c in group if len(i := np.flatnonzero(cats == c))]
     if not idx:
         return None
-    ta, fa, tb, fb = (np.asarray(meth[m][k], dtype=float) for m in (a, b) for k in ("new_tokens", "target_forwards"))
+    ta, fa, tb, fb = (np.asarray(meth[m][k], dtype=float) for m in (a, b) for k in ("new_tokens", per))
     rng = np.random.default_rng(seed)
     picks = np.concatenate([rng.choice(i, size=(draws, len(i))) for i in idx], axis=1)  # [draws, prompts of group]
     change = (tb[picks].sum(1) / fb[picks].sum(1)) / (ta[picks].sum(1) / fa[picks].sum(1)) - 1
     lo, hi = np.quantile(change, [(1 - level) / 2, (1 + level) / 2])
     return float(lo), float(hi)
+
+
+# methods an issue's target compares with a rival in the same run: (rival, method)
+VERSUS = (("eagle2", "dspark"), ("eagle2", "eagle3"))
+
+
+def versus_lines(d: dict) -> str:
+    """For each VERSUS pair in a run: the method's tokens/s and tau against its rival's, each with a paired
+    bootstrap interval over the run's prompts (``change_interval``)."""
+    rows = {r["method"]: r for r in d["rows"]}
+    cats = sorted(set((d.get("by_prompt") or {}).get("categories", [])))
+    out = []
+    for a, b in VERSUS:
+        if a in rows and b in rows:
+            speed = _change_cell(rows[a]["tokens_per_s"], rows[b]["tokens_per_s"],
+                                 change_interval(d, a, b, cats, per="seconds"))
+            tau = _change_cell(rows[a]["tau"], rows[b]["tau"], change_interval(d, a, b, cats))
+            out.append(f"- {b} against {a} in this run: tokens/s {speed}, tau {tau} (95% paired bootstrap interval "
+                       "over the prompts)")
+    return "\n".join(out) + "\n" if out else ""
 
 
 def _change_cell(old: float | None, new: float | None, ci: tuple[float, float] | None) -> str:
@@ -411,6 +432,8 @@ def results_page(bench_dir: Path = BENCH_DIR, scaling_dir: Path = SCALING_DIR) -
             continue
         parts.append(_run_header(f.stem, d))
         parts.append(main_table(d) + "\n")
+        if vs := versus_lines(d):
+            parts.append(vs)
         cat = category_table(d)
         if cat:
             parts.append(cat + "\n")
