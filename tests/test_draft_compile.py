@@ -71,3 +71,20 @@ def test_results_section_prices_a_step_only_on_the_headline_runs_machine(tmp_pat
     assert "a step of cpu_bf16_t0_compiled_a.json" in text and "mtp 5.0%" in text
     probe["rows"] = [{**row, "fixed_ms": 2.5, "fixed_over_eager": 1.25}]  # compiled slower: no saving, not a negative one
     assert "mtp 0.0%" in report.draft_compile_section("probe", probe, tmp_path)
+
+
+def test_results_section_reads_the_frozen_side_where_the_probe_has_it(tmp_path):
+    """A probe with the frozen side (the target's compile settings): its column in the table, and the share of a step
+    priced at the better compiled side; the fixed side's alone where a probe predates it (the test above)."""
+    row = {"drafter": "mtp", "eager_ms": 2.0, "fixed_ms": 1.5, "dynamic_ms": 1.6, "frozen_ms": 1.0,
+           "fixed_over_eager": 0.75, "dynamic_over_eager": 0.8, "frozen_over_eager": 0.5,
+           "compile_s": {"fixed": 1.0, "dynamic": 2.0, "frozen": 3.0}}
+    probe = {"machine": {"cpu": "CPU A"}, "rows": [row], "settings": {
+        "threads": 2, "dtype": "bfloat16", "context": 256, "repeats": 3, "command": "python -m specbook.draft_compile"}}
+    head = {"machine": {"cpu": "CPU A"}, "rows": [{"method": "mtp", "draft_ms_per_step": 8.0, "verify_ms_per_step": 32.0}]}
+    (tmp_path / report.README_RUNS[0]).write_text(json.dumps(head))
+    text = report.draft_compile_section("probe", probe, tmp_path)
+    assert "| mtp | 2.0 | 1.5 | 1.6 | 1.0 | 0.75 | 0.8 | 0.5 | 1.0, 2.0, 3.0 |" in text
+    assert "fixed-shape and frozen compiled cost: mtp 10.0%" in text  # (1 - 0.5) x 8 ms of a 40 ms step
+    probe["rows"] = [{**row, "frozen_ms": 3.0, "frozen_over_eager": 1.5}]  # the better side prices: fixed's 0.75
+    assert "mtp 5.0%" in report.draft_compile_section("probe", probe, tmp_path)

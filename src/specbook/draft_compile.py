@@ -2,11 +2,13 @@
 "auto" size prices (EagleRunner.measure_draft_cost, mtp.measure_module_cost, dflash.measure_draft_cost; Medusa: its
 heads and top-k) — taken eager and with the head's forward ``torch.compile``d, side by side in one process.
 
-Two compiled sides: fixed shapes (the measured shapes on every call, cache cropped back after each run, so no
-recompile is timed: compilation's best case) and dynamic shapes (a graph general in the lengths, as drafting needs:
-every step meets a new cache length). Where compiling does not beat eager, the drafter stays eager on the fast
-path; the verdict is measured here, per machine, not assumed. (DFlash / DSpark on the fast path compile their whole
-step with the target's settings instead, frozen weights included: drafters.block_compiled.)
+Three compiled sides: fixed shapes (the measured shapes on every call, cache cropped back after each run, so no
+recompile is timed: compilation's best case), dynamic shapes (a graph general in the lengths, as drafting needs:
+every step meets a new cache length), and frozen (fixed shapes with the target's own settings,
+``fastpath.COMPILE_CONFIG``: weights frozen and prepacked, concatenated linears, a C++ wrapper; what DFlash / DSpark's
+compiled step uses, its graphs fixed by padding to a few buffer sizes: drafters.block_compiled). Where compiling
+does not beat eager, the drafter stays eager on the fast path; the verdict is measured here, per machine, not
+assumed.
 
     python -m specbook.draft_compile --json docs/bench/cpu_bf16_draft_compile.json
 """
@@ -21,16 +23,20 @@ from pathlib import Path
 
 import torch
 
+from .fastpath import COMPILE_CONFIG
+
 HEADS = ("medusa", "eagle", "eagle3", "mtp", "dspark")
 # the bench method that drafts with each (its draft ms per step prices the saving on the results page)
 METHOD_OF = {"medusa": "medusa", "eagle": "eagle2", "eagle3": "eagle3", "mtp": "mtp", "dspark": "dspark"}
 
 
-def compiled_copy(module: torch.nn.Module, method: str = "forward", dynamic: bool = False) -> torch.nn.Module:
-    """A copy of ``module`` (weights shared) whose ``method`` is torch.compile'd; the original stays eager."""
+def compiled_copy(module: torch.nn.Module, method: str = "forward", dynamic: bool = False,
+                  options: dict | None = None) -> torch.nn.Module:
+    """A copy of ``module`` (weights shared) whose ``method`` is torch.compile'd (with inductor ``options``: a
+    backend of its own, so its graphs are never another side's); the original stays eager."""
     twin = copy.copy(module)
     twin._modules = dict(module._modules)  # the same submodules (weights), in a dict the twin may change alone
-    setattr(twin, method, torch.compile(getattr(module, method), dynamic=dynamic))
+    setattr(twin, method, torch.compile(getattr(module, method), dynamic=dynamic, options=options))
     return twin
 
 
@@ -62,15 +68,15 @@ def _load(target, kind: str, folder: Path | None):
     raise ValueError(f"unknown drafter {kind!r}; choose from {HEADS}")
 
 
-def _compiled(kind: str, net, dynamic: bool):
+def _compiled(kind: str, net, dynamic: bool, options: dict | None = None):
     """The network with its draft forward compiled: the head's forward (Medusa, EAGLE, EAGLE-3), each MTP module's, the
     DFlash / DSpark block's."""
     if kind == "mtp":
         twin = copy.copy(net)
         twin._modules = dict(net._modules)
-        twin.mods = torch.nn.ModuleList([compiled_copy(m, dynamic=dynamic) for m in net.mods])
+        twin.mods = torch.nn.ModuleList([compiled_copy(m, dynamic=dynamic, options=options) for m in net.mods])
         return twin
-    return compiled_copy(net, "block" if kind == "dspark" else "forward", dynamic)
+    return compiled_copy(net, "block" if kind == "dspark" else "forward", dynamic, options)
 
 
 def _cost(target, kind: str, net, vocab, context: int) -> float:
@@ -111,31 +117,49 @@ def probe(target, kinds=HEADS, folder: Path | None = None, repeats: int = 5, con
     rows = []
     for kind in kinds:
         net, vocab = _load(target, kind, folder)
-        sides = {"eager": net, "fixed": _compiled(kind, net, False), "dynamic": _compiled(kind, net, True)}
+        sides = {"eager": net, "fixed": _compiled(kind, net, False), "dynamic": _compiled(kind, net, True),
+                 "frozen": _compiled(kind, net, False, COMPILE_CONFIG)}
         t0 = time.perf_counter()
         _cost(target, kind, sides["fixed"], vocab, context)  # builds the graph (its seconds apart, never a cost)
         fixed_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         _cost(target, kind, sides["dynamic"], vocab, context // 2)  # another length: the graph must be general
         dyn_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        failed = None
+        try:
+            with torch.inference_mode():  # freezing folds weights only where no gradient is recorded
+                _cost(target, kind, sides["frozen"], vocab, context)
+        except Exception as e:  # inductor refuses some graphs with these settings: recorded, not hidden
+            failed = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160]}"
+            del sides["frozen"]
+        frozen_s = time.perf_counter() - t0
         ms = {name: [] for name in sides}
         for _ in range(repeats):  # interleaved rounds: a noisy machine slows every side alike
             for name, m in sides.items():
                 ms[name].append(_cost(target, kind, m, vocab, context) * 1e3)
         med = {name: sorted(v)[repeats // 2] for name, v in ms.items()}
-        rows.append({"drafter": kind, "eager_ms": round(med["eager"], 3), "fixed_ms": round(med["fixed"], 3),
-                     "dynamic_ms": round(med["dynamic"], 3), "fixed_over_eager": round(med["fixed"] / med["eager"], 3),
-                     "dynamic_over_eager": round(med["dynamic"] / med["eager"], 3),
-                     "compile_s": {"fixed": round(fixed_s, 1), "dynamic": round(dyn_s, 1)}})
+        rows.append({"drafter": kind, **{f"{n}_ms": round(med[n], 3) for n in sides},
+                     **{f"{n}_over_eager": round(med[n] / med["eager"], 3) for n in sides if n != "eager"},
+                     "compile_s": {"fixed": round(fixed_s, 1), "dynamic": round(dyn_s, 1),
+                                   **({} if failed else {"frozen": round(frozen_s, 1)})},
+                     **({"frozen_failed": failed} if failed else {})})
     return rows
 
 
 def table(rows: list[dict]) -> str:
     """Markdown table of ``probe``'s rows."""
-    out = ["| drafter | eager ms | compiled, fixed shapes ms | compiled, dynamic shapes ms | fixed / eager "
-           "| dynamic / eager | compile s (fixed, dynamic) |", "|---|---|---|---|---|---|---|"]
-    out += [f"| {r['drafter']} | {r['eager_ms']} | {r['fixed_ms']} | {r['dynamic_ms']} | {r['fixed_over_eager']} | "
-            f"{r['dynamic_over_eager']} | {r['compile_s']['fixed']}, {r['compile_s']['dynamic']} |" for r in rows]
+    frozen = any("frozen_ms" in r for r in rows)  # probes written before the frozen side have two sides
+    out = ["| drafter | eager ms | compiled, fixed shapes ms | compiled, dynamic shapes ms | "
+           + ("compiled, frozen (the target's settings) ms | " if frozen else "") + "fixed / eager | dynamic / eager | "
+           + ("frozen / eager | compile s (fixed, dynamic, frozen) |" if frozen else "compile s (fixed, dynamic) |"),
+           "|" + "---|" * (9 if frozen else 7)]
+    for r in rows:
+        c = r["compile_s"]
+        out.append(f"| {r['drafter']} | {r['eager_ms']} | {r['fixed_ms']} | {r['dynamic_ms']} | "
+                   + (f"{r.get('frozen_ms', 'did not compile')} | " if frozen else "") + f"{r['fixed_over_eager']} | "
+                   f"{r['dynamic_over_eager']} | " + (f"{r.get('frozen_over_eager', '')} | " if frozen else "")
+                   + ", ".join(str(c[k]) for k in ("fixed", "dynamic", "frozen") if k in c) + " |")
     return "\n".join(out)
 
 

@@ -379,22 +379,25 @@ class FastTarget:
         return dict(self.stats.warmup_s)
 
 
+# The inductor settings every compiled forward here shares (``_compiled``; draft_compile's "frozen" side):
+# freezing: the weights become constants of the graph, prepacked once for oneDNN's linear kernels (measured here:
+# a bf16 1-token forward 31 -> 26 ms; inference only: weights changed after the first call are not seen by the
+# compiled graphs); linears reading one input (q/k/v, gate/up) fused into one matmul, and the graph's calls made
+# from C++ instead of Python (measured here together: a bf16 1-token forward 24 -> 18 ms, compile +30%).
+COMPILE_CONFIG = {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
+
+
 def _compiled(fn):
-    """``fn`` compiled for fixed shapes, one graph per bucket (the settings every compiled forward here shares)."""
+    """``fn`` compiled for fixed shapes, one graph per bucket, with ``COMPILE_CONFIG`` (set process-wide)."""
     import torch._dynamo
-    import torch._inductor.config
+    import torch._inductor.config as inductor
 
     # one graph per bucket, with and without hidden states, per cache capacity: more than dynamo's
     # default of 8 recompiles of one function
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    # freezing: the weights become constants of the graph, prepacked once for oneDNN's linear kernels
-    # (measured here: a bf16 1-token forward 31 -> 26 ms). Inference only: weights changed after the
-    # first call are not seen by the compiled graphs.
-    torch._inductor.config.freezing = True
-    # linears reading one input (q/k/v, gate/up) fused into one matmul, and the graph's calls made from
-    # C++ instead of Python: measured here together, a bf16 1-token forward 24 -> 18 ms, compile +30%
-    torch._inductor.config.cpp.enable_concat_linear = True
-    torch._inductor.config.cpp_wrapper = True
+    for key, val in COMPILE_CONFIG.items():
+        group, _, name = key.rpartition(".")
+        setattr(getattr(inductor, group) if group else inductor, name, val)
     # fullgraph: a graph break would compile each decoder layer as its own frame, guarded on its weights
     return torch.compile(fn, dynamic=False, fullgraph=True)
 

@@ -372,7 +372,8 @@ def same_cpu_headline(cpu: str | None, bench_dir: Path = BENCH_DIR) -> tuple[str
 
 def draft_compile_section(name: str, d: dict, bench_dir: Path = BENCH_DIR) -> str:
     """The drafters' own forwards eager vs compiled (``python -m specbook.draft_compile``), and what the saving
-    would buy a whole step of a T = 0 compiled run on the same CPU: (1 - fixed / eager) x draft ms / step ms."""
+    would buy a whole step of a T = 0 compiled run on the same CPU: (1 - compiled / eager) x draft ms / step ms, the
+    compiled cost being the better of fixed shapes' and, where the probe measured it, the frozen side's."""
     from .draft_compile import METHOD_OF, table
 
     s, m = d["settings"], d["machine"]
@@ -382,10 +383,12 @@ def draft_compile_section(name: str, d: dict, bench_dir: Path = BENCH_DIR) -> st
     for r in d["rows"]:
         st = steps.get(METHOD_OF[r["drafter"]])
         if st and st.get("draft_ms_per_step") is not None:
-            saved = max(0.0, 1 - r["fixed_over_eager"]) * st["draft_ms_per_step"]  # compiled slower: nothing to gain
+            ratio = min(r["fixed_over_eager"], r.get("frozen_over_eager") or r["fixed_over_eager"])
+            saved = max(0.0, 1 - ratio) * st["draft_ms_per_step"]  # compiled slower: nothing to gain
             gains.append(f"{METHOD_OF[r['drafter']]} {100 * saved / (st['draft_ms_per_step'] + st['verify_ms_per_step']):.1f}%")
+    side = "better of the fixed-shape and frozen" if any("frozen_over_eager" in r for r in d["rows"]) else "fixed-shape"
     read = (f"\nAt most this share of a step of {found[0]} (its draft and verify ms per step) would go if the "
-            "drafter's forwards ran at the fixed-shape compiled cost: " + ", ".join(gains) + ".\n") if gains else (
+            f"drafter's forwards ran at the {side} compiled cost: " + ", ".join(gains) + ".\n") if gains else (
         "\nNo T = 0 compiled-forward bench run on this CPU: no share of a step is computed.\n")
     return (f"## {name}\n\n{m.get('cpu', m.get('platform', '?'))}, {s['threads']} threads, {s['dtype']}, one draft "
             f"forward after {s['context']} cached positions (each drafter's own cost measurement), medians of "
