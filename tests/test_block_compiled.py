@@ -53,26 +53,27 @@ def _dspark(target, seed=0):
     return net.eval()
 
 
-def _decode(target, net, compiled, ids, n, seed=3):
+def _decode(target, net, compiled, ids, n, temperature=1.0, seed=3):
     d = BlockDrafter(target, net, threshold=0.2, compiled=compiled)
     trace: list = []
-    res = speculative_generate(target, d, ids, max_new_tokens=n, eos_token_id=-1, sampling=SamplingConfig(1.0),
+    res = speculative_generate(target, d, ids, max_new_tokens=n, eos_token_id=-1, sampling=SamplingConfig(temperature),
                                generator=torch.Generator().manual_seed(seed), trace=trace)
     return res.tokens[0], [t["draft"] for t in trace], d.survival
 
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_the_step_drafts_what_the_block_forward_drafts(deep, compile):
-    """fp32, T = 1: the same draws, the same blocks cut at the same places, survivals equal to float rounding — over
-    a long prompt (appended eagerly first) and past 256 context slots (the buffer regrown: a second capacity)."""
+    """fp32, T = 1 and T = 0 (the greedy chain drawn inside the step): the same draws, the same blocks cut at the
+    same places, survivals equal to float rounding — over a long prompt (appended eagerly first) and past 256 context
+    slots (the buffer regrown: a second capacity)."""
     net = _dspark(deep)
     cb = CompiledBlock(net, deep.get_output_embeddings().weight[net.vocab], compile=compile)
-    for prompt, n in ((5, 24), (30, 260)):
+    for prompt, n, temperature in ((5, 24, 1.0), (30, 260, 1.0), (5, 40, 0.0), (12, 260, 0.0)):
         ids = torch.randint(0, 48, (1, prompt), generator=torch.Generator().manual_seed(prompt))
-        (t0, d0, s0), (t1, d1, s1) = (_decode(deep, net, c, ids, n) for c in (None, cb))
+        (t0, d0, s0), (t1, d1, s1) = (_decode(deep, net, c, ids, n, temperature) for c in (None, cb))
         assert t0 == t1 and d0 == d1
         assert max(abs(a - b) for x, y in zip(s0, s1) for a, b in zip(x, y)) < 1e-5
-    assert cb.calls > 0
+    assert cb.calls > 0 and ("256+greedy" in cb.warmup_s or not compile)
 
 
 def test_one_graph_per_capacity_and_lossless_at_t0(deep):
@@ -80,16 +81,16 @@ def test_one_graph_per_capacity_and_lossless_at_t0(deep):
 
     net = _dspark(deep, seed=4)
     cb = CompiledBlock(net, deep.get_output_embeddings().weight[net.vocab])
-    assert set(cb.warm_up(40)) == {256}
+    assert set(cb.warm_up(40, greedy=True)) == {"256+greedy"}
     built = _graphs_built()
     ids = torch.randint(0, 48, (1, 6), generator=torch.Generator().manual_seed(0))
     res = speculative_generate(deep, BlockDrafter(deep, net, threshold=0.2, compiled=cb), ids, max_new_tokens=30,
                                eos_token_id=-1)
     assert res.tokens[0] == generate(deep, ids, max_new_tokens=30, eos_token_id=-1).tokens[0]
     assert _graphs_built() == built  # the warmed-up graph served every step: no compile inside the decode
-    assert set(cb.warm_up(300)) == {256, 512}
+    assert set(cb.warm_up(300)) == {"256+greedy", "256", "512"}
     assert cb.stats_json()["warmup_total_s"] > 0
-    assert cb.measure_cost(context=16, repeats=1) > 0 and set(cb.warmup_s) == {256, 512}  # no graph below 256
+    assert cb.measure_cost(context=16, repeats=1) > 0 and "32" not in cb.warmup_s  # no graph below 256
     with pytest.raises(ValueError, match="another network or block"):
         BlockDrafter(deep, _dspark(deep, seed=5), compiled=cb)
     with pytest.raises(ValueError, match="another network or block"):

@@ -1016,8 +1016,9 @@ def _warm_up(loaded: Loaded, runners: dict, encoded: list, max_new_tokens: int, 
                   progress=progress)
     for t in (drafts := fast_drafts(loaded)).values():  # the draft models' graphs too (every bucket a step can use)
         t.warm_up(progress=progress)
+    greedy = next(iter(runners.values()))[1].sampling.greedy
     for cb in (blocks := compiled_blocks(loaded)).values():  # the block drafters' steps: every buffer capacity
-        cb.warm_up(longest)
+        cb.warm_up(longest, greedy=greedy)
     return fast, drafts, blocks
 
 

@@ -51,8 +51,9 @@ class CompiledBlock:
         self.gamma = net.gamma if gamma is None else gamma
         self.net, self.W, self.rows = net, W, self.gamma + 1
         self.fn = _compiled(self.step) if compile else self.step
+        self.fn_greedy = _compiled(self.step_greedy) if compile else self.step_greedy  # T = 0: the chain in the graph
         self.calls = 0
-        self.warmup_s: dict[int, float] = {}  # buffer capacity -> seconds of its first (compiling) call
+        self.warmup_s: dict[str, float] = {}  # "capacity[+greedy]" -> seconds of its first (compiling) call
 
     def _dummy(self, capacity: int, context: int):
         """The step's inputs for ``context`` committed slots in buffers of ``capacity`` (zeros): fn(*inputs)."""
@@ -67,24 +68,29 @@ class CompiledBlock:
                 torch.tensor(context + Q, device=dev), *bufs)
 
     @torch.inference_mode()
-    def warm_up(self, tokens: int, smallest: int = GrowingKV.CAPACITY) -> dict[int, float]:
+    def warm_up(self, tokens: int, greedy: bool = False, smallest: int = GrowingKV.CAPACITY) -> dict:
         """Build the graph of every buffer capacity a sequence of up to ``tokens`` tokens can meet (the powers of
-        two from ``smallest``, GrowingKV's sizes), so none compiles inside a timed run -> {capacity: seconds}."""
+        two from ``smallest``, GrowingKV's sizes; ``greedy``: the T = 0 step's), so none compiles inside a timed run
+        -> {graph: seconds}."""
         need, cap = tokens + 2 * self.rows, smallest
         while True:
-            self._build(cap)
+            self._build(cap, greedy)
             if cap >= need:
                 return dict(self.warmup_s)
             cap *= 2
 
-    def _build(self, capacity: int) -> None:
-        """The graph for buffers of ``capacity`` slots, built (by a call on zeros, timed) unless it is already."""
+    def _build(self, capacity: int, greedy: bool = False) -> None:
+        """The graph for buffers of ``capacity`` slots (the greedy step's with ``greedy``), built (by a call on zeros,
+        timed) unless it is already."""
         import time
 
-        if capacity not in self.warmup_s:
+        key = f"{capacity}{'+greedy' if greedy else ''}"
+        if key not in self.warmup_s:
             t0 = time.perf_counter()
-            self.fn(*self._dummy(capacity, 0))
-            self.warmup_s[capacity] = time.perf_counter() - t0
+            inputs = self._dummy(capacity, 0)
+            self.fn_greedy(torch.zeros(1, dtype=torch.long, device=self.W.device), *inputs) if greedy else \
+                self.fn(*inputs)
+            self.warmup_s[key] = time.perf_counter() - t0
 
     @torch.inference_mode()
     def measure_cost(self, context: int = 256, repeats: int = 5) -> float:
@@ -98,7 +104,7 @@ class CompiledBlock:
         return median_seconds(lambda: torch.softmax(self.fn(*inputs)[1].float(), -1), repeats)
 
     def stats_json(self) -> dict:
-        return {"compiled_calls": self.calls, "warmup_s": {str(k): round(v, 2) for k, v in self.warmup_s.items()},
+        return {"compiled_calls": self.calls, "warmup_s": {k: round(v, 2) for k, v in self.warmup_s.items()},
                 "warmup_total_s": round(sum(self.warmup_s.values()), 2)}
 
     def step(self, hid, ctx_cos, ctx_sin, ctx_idx, emb, cos, sin, blk_idx, live, *bufs):
@@ -115,9 +121,16 @@ class CompiledBlock:
         h = net.block(emb, None, slots, mask, rope=(cos, sin))[:, 1:]
         return h, h @ self.W.T
 
-    def __call__(self, drafter, hid: torch.Tensor, emb: torch.Tensor, n: int):
-        """``drafter``'s step for a sequence of n tokens whose new context states are ``hid`` [m, mH] -> (h, base);
-        the drafter's context then holds positions 0..n-2."""
+    def step_greedy(self, anchor, *inputs):
+        """``step``, then the greedy chain drawn in the same graph (``BlockNet.greedy_chain``; anchor [1] the target
+        id of the block's first position) -> h, base, tokens [1, g], z [1, g] (None without a confidence head)."""
+        h, base = self.step(*inputs)
+        return h, base, *self.net.greedy_chain(h, base, anchor)
+
+    def __call__(self, drafter, hid: torch.Tensor, emb: torch.Tensor, n: int, anchor: torch.Tensor | None = None):
+        """``drafter``'s step for a sequence of n tokens whose new context states are ``hid`` [m, mH] -> (h, base),
+        plus the greedy chain (tokens, z) when the block's anchor [1] is given (T = 0); the drafter's context then
+        holds positions 0..n-2."""
         net, kv, R, Q = self.net, drafter.ctx, self.rows, emb.shape[1]
         dev, dt = emb.device, emb.dtype
         if hid.shape[0] > R:  # the prompt: appended eagerly, then a step with no new rows
@@ -133,10 +146,10 @@ class CompiledBlock:
         blk_idx = torch.arange(n0 + m, n0 + m + Q, device=dev)
         cos, sin = net.rope(blk_idx[None], dt)
         bufs = [t for pair in zip(kv.k, kv.v) for t in pair]
-        self._build(bufs[0].shape[2])  # a capacity no warm-up built compiles here, its seconds recorded
-        h, base = self.fn(pad, ctx_cos, ctx_sin, ctx_idx, emb, cos, sin, blk_idx,
-                          torch.tensor(n0 + m + Q, device=dev), *bufs)
+        self._build(bufs[0].shape[2], greedy=anchor is not None)  # a capacity no warm-up built compiles here
+        inputs = (pad, ctx_cos, ctx_sin, ctx_idx, emb, cos, sin, blk_idx, torch.tensor(n0 + m + Q, device=dev), *bufs)
+        out = self.fn(*inputs) if anchor is None else self.fn_greedy(anchor, *inputs)
         self.calls += 1
         kv.n = n0 + m
         drafter.n_ctx = n - 1
-        return h, base
+        return out

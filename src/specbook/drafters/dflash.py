@@ -228,6 +228,23 @@ class BlockNet(nn.Module):
         """Previous block tokens (target ids) [...] -> W1 rows [..., r] (None without a Markov head)."""
         return self.markov_w1(self.t2d[prev]) if self.rank else None
 
+    def greedy_chain(self, h: torch.Tensor, base: torch.Tensor, prev: torch.Tensor):
+        """Greedy drafting of whole blocks: h [R, g, H] normed states, base [R, g, Vd] their logits, prev [R] the
+        anchors (target ids) -> tokens [R, g] (target ids) and the confidence logits z [R, g] (None without the
+        head), x_k = argmax(base_k + W2 W1[x_{k-1}]) left to right. Every position is drawn; the caller cuts the
+        block (a_k reads z_k, which reads x_{k-1}, never x_k), so the chain is the same wherever the cut falls."""
+        toks, zs = [], []
+        for k in range(h.shape[1]):
+            logits = base[:, k]
+            if self.rank:
+                w1 = self.markov(prev)  # [R, r]
+                logits = logits + self.markov_w2(w1)
+                if self.confidence is not None:
+                    zs.append(self.confidence_logit(h[:, k], w1))
+            prev = self.vocab[logits.argmax(-1)]
+            toks.append(prev)
+        return torch.stack(toks, 1), torch.stack(zs, 1) if zs else None
+
     def confidence_logit(self, h: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
         """[..., H] normed state, [..., r] W1[x_{k-1}] -> z [...] (c = sigmoid(z / t))."""
         return self.confidence(torch.cat([h, w1], -1))[..., 0]
@@ -689,16 +706,21 @@ class BlockDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, state: SpecState) -> DraftTree:
-        if self.compiled is not None:  # steps 1 and 2 (and the LM head) as one compiled graph
+        chain = None
+        if self.compiled is not None:  # steps 1 and 2, the LM head (and at T = 0 the greedy chain) as one graph
             n, hid = self._new_states(state)
-            h, base = self.compiled(self, hid, self._block_inputs(state, n)[0], n)
+            emb = self._block_inputs(state, n)[0]
+            if state.sampling.greedy:
+                h, base, *chain = self.compiled(self, hid, emb, n, torch.tensor([state.tokens[-1]], device=emb.device))
+            else:
+                h, base = self.compiled(self, hid, emb, n)
         else:
             n = self._extend_context(state)
             emb, pos = self._block_inputs(state, n)
             slots = [self.ctx.slot(i) for i in range(len(self.net.layers))]
             h, base = self.net.block(emb, pos, slots)[:, 1:], None  # 2. ONE forward over [anchor, mask x gamma]
         self.forwards += 1
-        return BlockDrafter._draw([self], [state], h, base)[0]
+        return BlockDrafter._draw([self], [state], h, base, chain)[0]
 
     @staticmethod
     @torch.inference_mode()
@@ -725,12 +747,13 @@ class BlockDrafter(Drafter):
 
     @staticmethod
     def _draw(drafters: list["BlockDrafter"], states: list[SpecState], h: torch.Tensor,
-              base: torch.Tensor | None = None) -> list[DraftTree]:
+              base: torch.Tensor | None = None, chain: tuple | None = None) -> list[DraftTree]:
         """Step 3 for R rows sharing one network and one sampling config / generator: h [R, g, H] the blocks'
         normed states -> per row its tokens, drawn left to right (the Markov head reads x_{k-1}; the survival a_k
-        is known before x_k is drawn). All rows advance together, one position at a time; a row whose own cut
-        rule stops it draws nothing more (so one uniform per live row per position, in row order: a single row
-        draws exactly what it would alone)."""
+        is known before x_k is drawn). Greedy: ``BlockNet.greedy_chain`` (or its result ``chain``, computed in the
+        compiled step), then each row cut by its own rule. Sampled: all rows advance together, one position at a
+        time; a row whose own cut rule stops it draws nothing more (so one uniform per live row per position, in row
+        order: a single row draws exactly what it would alone)."""
         d0, state, R = drafters[0], states[0], len(drafters)
         net, dev, sampling = d0.net, d0.W.device, state.sampling
         base = h @ d0.W.T if base is None else base  # [R, g, Vd]
@@ -738,30 +761,31 @@ class BlockDrafter(Drafter):
         temps, shifts = d0._calibration(sampling)
         live = list(range(R))
         toks, qs, a, zs = [[] for _ in range(R)], [[] for _ in range(R)], [[] for _ in range(R)], [[] for _ in range(R)]
+        if sampling.greedy:  # argmax picks: one-hot, so they carry no q (verify.DraftTree)
+            x_all, z_all = chain if chain is not None else net.greedy_chain(h, base, prev)
+            x_all, z_all = x_all.tolist(), None if z_all is None else z_all.float().tolist()
         for k in range(1, d0.gamma + 1):
-            logits = base[:, k - 1]  # [R, Vd]
-            if net.rank:
-                w1 = net.markov(prev)  # [R, r]
-                logits = logits + net.markov_w2(w1)
-                if net.confidence is not None:
-                    z = net.confidence_logit(h[:, k - 1], w1).float().tolist()  # [R]
-                    for r in live:
-                        zs[r].append(z[r])
-                        a[r].append((a[r][-1] if a[r] else 1.0) / (1 + math.exp(-z[r] / temps[k - 1] - shifts[k - 1])))
-                    live = [r for r in live if drafters[r]._keep(k, a[r])]
+            w1 = net.markov(prev) if net.rank and not sampling.greedy else None  # [R, r]
+            if net.confidence is not None:
+                z = [row[k - 1] for row in z_all] if sampling.greedy else \
+                    net.confidence_logit(h[:, k - 1], w1).float().tolist()  # [R]
+                for r in live:
+                    zs[r].append(z[r])
+                    a[r].append((a[r][-1] if a[r] else 1.0) / (1 + math.exp(-z[r] / temps[k - 1] - shifts[k - 1])))
+                live = [r for r in live if drafters[r]._keep(k, a[r])]
             if not live:
                 break
-            if sampling.greedy:  # the argmax: a one-hot pick, which carries no q (verify.DraftTree)
-                i = logits[live].argmax(-1)
-            else:
-                q = probs_from(logits[live].float(), sampling)  # [live, Vd]
-                i = sample(q, state.generator)
-            x = net.vocab[i]  # [live] target ids
+            if sampling.greedy:
+                for r in live:
+                    toks[r].append(x_all[r][k - 1])
+                continue
+            logits = base[:, k - 1] if w1 is None else base[:, k - 1] + net.markov_w2(w1)  # [R, Vd]
+            q = probs_from(logits[live].float(), sampling)  # [live, Vd]
+            x = net.vocab[sample(q, state.generator)]  # [live] target ids
             prev[live] = x
             for j, r in enumerate(live):
                 toks[r].append(int(x[j]))
-                if not sampling.greedy:
-                    qs[r].append(q[j])
+                qs[r].append(q[j])
         return [d._drawn(t, qq, aa, zz) for d, t, qq, aa, zz in zip(drafters, toks, qs, a, zs)]
 
     def _drawn(self, toks: list[int], qs: list[torch.Tensor], a: list[float], zs: list[float]) -> DraftTree:
