@@ -11,13 +11,15 @@ settings, as ONE graph:
        step 2 overwrites)
     2. the block forward over [anchor, mask x gamma], each layer's block K/V written after the context
     3. base_k = the LM-head logits over the draft vocabulary
+    4. at T = 0 (``step_greedy``, a graph of its own) the greedy chain, ``BlockNet.greedy_chain``: every position's
+       argmax after the Markov head and its confidence logit; the cut is applied after, as eagerly
 
 Shapes are fixed by the context buffer's capacity (``GrowingKV`` grows in powers of two: one graph per capacity)
 and attention reads the whole buffer with the slots past the block masked out. Positions arrive as rotary rows
 (``BlockNet.rope``) and slot indices, tensors, so a new step never recompiles. A first step whose new context is
 longer than ``gamma + 1`` rows (the prompt) appends it eagerly first. Tokens are then drawn exactly as eagerly
 (``BlockDrafter._draw``): the Markov head, the confidence head and the cut are unchanged, so the drafter stays
-lossless; its q is the distribution computed here.
+lossless; its q is the distribution computed here (at T = 0 a pick, which carries none).
 
 ``compile=False`` runs the same fixed-shape step eagerly: what the tests compare with the plain block forward.
 """
