@@ -614,8 +614,8 @@ class BlockDrafter(Drafter):
     that does not). Both read a_k before x_k is drawn: lossless. ``temperatures`` / ``shifts``: the card's calibration
     per sampling mode ({"greedy": [...], "sampled": [...]}; ``block_calibration.card_calibration`` picks them),
     a_k = prod_{i<=k} sigmoid(z_i / t_i + b_i); None = uncalibrated (t = 1, b = 0). ``compiled``: the net's
-    ``block_compiled.CompiledBlock``, which runs the context update, the block forward and the LM head as one
-    compiled graph (None = eagerly)."""
+    ``block_compiled.CompiledBlock``, which runs the context update, the block forward and the LM head (at T = 0 the
+    greedy chain too) as one compiled graph (None = eagerly)."""
 
     needs_hidden = True
 
