@@ -51,13 +51,20 @@ def test_probe_needs_the_committed_drafters_and_names_an_unknown_one(tiny):
         draft_compile.main(["--repeats", "0"])
 
 
-def test_results_section_prices_a_step_only_on_the_headline_runs_machine(tmp_path):
-    row = {"drafter": "mtp", "eager_ms": 2.0, "fixed_ms": 1.5, "dynamic_ms": 1.6, "fixed_over_eager": 0.75,
-           "dynamic_over_eager": 0.8, "compile_s": {"fixed": 1.0, "dynamic": 2.0}}
+def _probe_beside_a_headline(tmp_path, row: dict) -> tuple[dict, dict]:
+    """A probe of one row on "CPU A", and a headline T = 0 run on the same CPU written into ``tmp_path`` whose mtp
+    step is 8 ms of drafting and 32 ms of verifying -> (probe, headline)."""
     probe = {"machine": {"cpu": "CPU A"}, "rows": [row], "settings": {
         "threads": 2, "dtype": "bfloat16", "context": 256, "repeats": 3, "command": "python -m specbook.draft_compile"}}
     head = {"machine": {"cpu": "CPU A"}, "rows": [{"method": "mtp", "draft_ms_per_step": 8.0, "verify_ms_per_step": 32.0}]}
     (tmp_path / report.README_RUNS[0]).write_text(json.dumps(head))
+    return probe, head
+
+
+def test_results_section_prices_a_step_only_on_the_headline_runs_machine(tmp_path):
+    row = {"drafter": "mtp", "eager_ms": 2.0, "fixed_ms": 1.5, "dynamic_ms": 1.6, "fixed_over_eager": 0.75,
+           "dynamic_over_eager": 0.8, "compile_s": {"fixed": 1.0, "dynamic": 2.0}}
+    probe, head = _probe_beside_a_headline(tmp_path, row)
     text = report.draft_compile_section("probe", probe, tmp_path)
     assert "| mtp | 2.0 | 1.5 | 1.6 | 0.75 | 0.8 | 1.0, 2.0 |" in text
     assert "mtp 5.0%" in text  # (1 - 0.75) x 8 ms of a 40 ms step
@@ -79,10 +86,7 @@ def test_results_section_reads_the_frozen_side_where_the_probe_has_it(tmp_path):
     row = {"drafter": "mtp", "eager_ms": 2.0, "fixed_ms": 1.5, "dynamic_ms": 1.6, "frozen_ms": 1.0,
            "fixed_over_eager": 0.75, "dynamic_over_eager": 0.8, "frozen_over_eager": 0.5,
            "compile_s": {"fixed": 1.0, "dynamic": 2.0, "frozen": 3.0}}
-    probe = {"machine": {"cpu": "CPU A"}, "rows": [row], "settings": {
-        "threads": 2, "dtype": "bfloat16", "context": 256, "repeats": 3, "command": "python -m specbook.draft_compile"}}
-    head = {"machine": {"cpu": "CPU A"}, "rows": [{"method": "mtp", "draft_ms_per_step": 8.0, "verify_ms_per_step": 32.0}]}
-    (tmp_path / report.README_RUNS[0]).write_text(json.dumps(head))
+    probe, _ = _probe_beside_a_headline(tmp_path, row)
     text = report.draft_compile_section("probe", probe, tmp_path)
     assert "| mtp | 2.0 | 1.5 | 1.6 | 1.0 | 0.75 | 0.8 | 0.5 | 1.0, 2.0, 3.0 |" in text
     assert "fixed-shape and frozen compiled cost: mtp 10.0%" in text  # (1 - 0.5) x 8 ms of a 40 ms step

@@ -129,10 +129,10 @@ class CompiledBlock:
         h, base = self.step(*inputs)
         return h, base, *self.net.greedy_chain(h, base, anchor)
 
-    def __call__(self, drafter, hid: torch.Tensor, emb: torch.Tensor, n: int, anchor: torch.Tensor | None = None):
-        """``drafter``'s step for a sequence of n tokens whose new context states are ``hid`` [m, mH] -> (h, base),
-        plus the greedy chain (tokens, z) when the block's anchor [1] is given (T = 0); the drafter's context then
-        holds positions 0..n-2."""
+    def __call__(self, drafter, hid: torch.Tensor, emb: torch.Tensor, anchor: torch.Tensor | None = None):
+        """``drafter``'s step for a sequence whose new context states are ``hid`` [m, mH] -> (h, base), plus the
+        greedy chain (tokens, z) when the block's anchor [1] is given (T = 0); the drafter's context then holds
+        those m positions too."""
         net, kv, R, Q = self.net, drafter.ctx, self.rows, emb.shape[1]
         dev, dt = emb.device, emb.dtype
         if hid.shape[0] > R:  # the prompt: appended eagerly, then a step with no new rows
@@ -152,6 +152,5 @@ class CompiledBlock:
         inputs = (pad, ctx_cos, ctx_sin, ctx_idx, emb, cos, sin, blk_idx, torch.tensor(n0 + m + Q, device=dev), *bufs)
         out = self.fn(*inputs) if anchor is None else self.fn_greedy(anchor, *inputs)
         self.calls += 1
-        kv.n = n0 + m
-        drafter.n_ctx = n - 1
+        kv.n = n0 + m  # = n - 1: the drafter's context now holds positions 0..n-2
         return out

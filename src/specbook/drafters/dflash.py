@@ -654,7 +654,6 @@ class BlockDrafter(Drafter):
 
     def begin(self, state: SpecState) -> None:
         self.ctx = GrowingKV()  # per draft layer the committed context's K/V
-        self.n_ctx = 0
         self.survival, self.confidence_logits = [], []
 
     def _calibration(self, sampling) -> tuple[list[float], list[float]]:
@@ -676,6 +675,11 @@ class BlockDrafter(Drafter):
 
         return rate(k) > rate(k - 1)
 
+    @property
+    def n_ctx(self) -> int:
+        """Committed context positions the drafter holds K/V for (0..n_ctx-1)."""
+        return self.ctx.n
+
     def _new_states(self, state: SpecState) -> tuple[int, torch.Tensor]:
         """n = len(tokens) and the target's states [m, mH] of the newly committed positions n-1-m..n-2."""
         n = len(state.tokens)  # the target has states for positions 0..n-2
@@ -689,7 +693,6 @@ class BlockDrafter(Drafter):
         """The context K/V of new positions (states hid [m, mH]), per draft layer, appended to ``ctx``."""
         net, pos = self.net, torch.arange(self.n_ctx, self.n_ctx + hid.shape[0], device=self.W.device)[None]
         self.ctx.append(net.context_kv(net.context(hid[None]), pos))
-        self.n_ctx += hid.shape[0]
 
     def _extend_context(self, state: SpecState) -> int:
         """Step 1: the context K/V of the newly committed positions, per draft layer. Returns n = len(tokens)."""
@@ -711,9 +714,9 @@ class BlockDrafter(Drafter):
             n, hid = self._new_states(state)
             emb = self._block_inputs(state, n)[0]
             if state.sampling.greedy:
-                h, base, *chain = self.compiled(self, hid, emb, n, torch.tensor([state.tokens[-1]], device=emb.device))
+                h, base, *chain = self.compiled(self, hid, emb, torch.tensor([state.tokens[-1]], device=emb.device))
             else:
-                h, base = self.compiled(self, hid, emb, n)
+                h, base = self.compiled(self, hid, emb)
         else:
             n = self._extend_context(state)
             emb, pos = self._block_inputs(state, n)
