@@ -351,6 +351,42 @@ def test_warm_start_refuses_a_markov_head_of_another_vocabulary(deep, tmp_path):
     assert warm_start(kept, tmp_path / "d", deep)["vocab_changed"] is False
 
 
+def test_teacher_of_overlapping_blocks_is_each_positions_own(deep):
+    """Blocks overlap when a window trains many anchors; the teacher is computed once per window row, and every
+    block position still reads p_k = softmax(lm_head(final state at a + k - 1)) restricted to the draft vocabulary."""
+    net = _net(deep)
+    obj = DFlashObjective(deep, net.vocab, gamma=4, layers=2, anchors=12)
+    b = _batch(deep, n=2, S=24)
+    anchors, valid = obj._anchors(b, heldout=True)  # evenly spaced: the same blocks as _forward's
+    f = obj._forward(b, heldout=True)
+    rows = [(i, int(a)) for i in range(2) for a, v in zip(anchors[i], valid[i]) if v]
+    assert len({(i, a + k) for i, a in rows for k in range(4)}) < 4 * len(rows)  # blocks share rows: dedup exercised
+    for r, (i, a) in enumerate(rows):
+        for k in range(1, 5):
+            full = b.feats[i, a + k - 1, 3].float() @ obj.W_full.T
+            torch.testing.assert_close(f["p_v"][r, k - 1], torch.softmax(full, -1)[net.vocab], atol=1e-6, rtol=1e-5)
+            want = net.t2d[full.argmax()]
+            assert int(f["t_arg_in"][r, k - 1]) == (-1 if want == len(net.vocab) else int(want))
+
+
+def test_warm_start_may_change_the_anchors_per_window_but_not_the_block(deep, tmp_path):
+    """Anchors per window shape the training only: a continued run may train more blocks per window; a gamma or a
+    Markov rank the weights were not built for is refused."""
+    from specbook.training import warm_start
+
+    trained = DSparkObjective(deep, _net(deep).vocab, gamma=4, layers=2, anchors=1, markov_rank=8)
+    card = {"kind": "dspark", "config": trained.card_config(), "target": "tiny", "target_fingerprint": fingerprint(deep),
+            "steps": 5, "corpus_sha": "abc"}
+    save_checkpoint(tmp_path / "d", trained.state(), card, dtype=torch.float32)
+    more = DSparkObjective(deep, trained.net.vocab, gamma=4, layers=2, anchors=16, markov_rank=8)
+    assert more.card_config()["anchors_per_window"] == 16
+    warm_start(more, tmp_path / "d", deep)
+    assert all(torch.equal(more.state()[k], v) for k, v in trained.state().items())
+    for kw in ({"gamma": 3, "markov_rank": 8}, {"gamma": 4, "markov_rank": 4}):
+        with pytest.raises(CheckpointError, match="has config"):
+            warm_start(DSparkObjective(deep, trained.net.vocab, layers=2, anchors=16, **kw), tmp_path / "d", deep)
+
+
 def test_keep_vocab_needs_a_checkpoint_with_a_draft_vocabulary(deep, tmp_path):
     from specbook.drafters.eagle import EagleObjective
     from specbook.train import _head_vocab

@@ -173,6 +173,9 @@ class Objective:
 
     kind: str = "objective"
     module: torch.nn.Module
+    # card_config keys that shape only the training (e.g. DFlash's anchors per window), not the weights: a warm
+    # start may change them
+    training_only: tuple[str, ...] = ()
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, dict]:  # pragma: no cover - protocol
         raise NotImplementedError
@@ -356,16 +359,19 @@ def load_checkpoint(path: str | Path, target=None, kind: str | None = None) -> t
 def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
     """Start ``obj`` from a checkpoint's trained weights (continued training, e.g. on a wider corpus).
 
-    The checkpoint must be of obj's kind, for this target, with the same head config (``card_config``) and the
-    same tensors: a warm start never silently reshapes or drops a weight. A draft vocabulary of the same size but
-    other tokens (the top tokens of another corpus) is taken only where no trained tensor is indexed by it, i.e. the
-    vocabulary just picks rows of the target's frozen LM head (EAGLE, Medusa, MTP, DFlash); a head with rows of its
-    own per draft token (DSpark's Markov head, EAGLE-3's LM head over its d2t vocabulary) is refused. Returns what
-    the new card records about it (path, weights sha, steps, the corpus the weights had already seen, whether the
-    vocabulary changed)."""
+    The checkpoint must be of obj's kind, for this target, with the same head config (``card_config`` less the
+    objective's ``training_only`` keys) and the same tensors: a warm start never silently reshapes or drops a
+    weight. A draft vocabulary of the same size but other tokens (the top tokens of another corpus) is taken only
+    where no trained tensor is indexed by it, i.e. the vocabulary just picks rows of the target's frozen LM head
+    (EAGLE, Medusa, MTP, DFlash); a head with rows of its own per draft token (DSpark's Markov head, EAGLE-3's LM
+    head over its d2t vocabulary) is refused. Returns what the new card records about it (path, weights sha,
+    steps, the corpus the weights had already seen, whether the vocabulary changed)."""
     state, card = load_checkpoint(path, target=target, kind=obj.kind)
     mine = obj.state()
-    same_config = json.dumps(card.get("config"), sort_keys=True) == json.dumps(obj.card_config(), sort_keys=True)
+    def shape(config: dict | None) -> str:  # the config less the keys a continued run may change
+        return json.dumps({k: v for k, v in (config or {}).items() if k not in obj.training_only}, sort_keys=True)
+
+    same_config = shape(card.get("config")) == shape(obj.card_config())
     if not same_config:
         raise CheckpointError(f"{path} has config {card.get('config')}, this run builds {obj.card_config()}; "
                               f"pass the settings the checkpoint was trained with (its command: {card.get('command')})")

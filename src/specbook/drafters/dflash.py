@@ -281,6 +281,7 @@ class DFlashObjective:
     Batch feats: the taps then the final hidden state (the teacher: p_k = softmax(lm_head(final)))."""
 
     kind = "dflash"
+    training_only = ("anchors_per_window",)  # how many blocks a step trains, not the weights' shape
     markov_rank, use_confidence, loss_weights = 0, False, {"ce": 1.0}
 
     def __init__(self, target, vocab: torch.Tensor | None = None, gamma: int = 7, layers: int = 2,
@@ -358,11 +359,12 @@ class DFlashObjective:
         sel = lambda x: x.reshape(B * A, *x.shape[2:])[keep]  # noqa: E731 - [B, A, ...] -> [M, ...]
         h, labels_tok, prev_tok, ok, tp_sel = sel(h), sel(labels_tok), sel(prev_tok), sel(ok), sel(tp)
         b_idx = torch.arange(B)[:, None].expand(B, A).reshape(-1)[keep]
-        with torch.no_grad():
-            fin = batch.feats[b_idx[:, None], tp_sel - 1, m].float().to(dev)  # [M, g, H]: state at a + k - 1
-            full = fin @ self.W_full.T  # [M, g, V]
-            t_arg = full.argmax(-1)
-            p_v = torch.softmax(full, -1)[..., net.vocab]
+        with torch.no_grad():  # the teacher p_k reads the final state at a + k - 1: once per window row, not per block
+            rows, inv = torch.unique(b_idx[:, None] * S + tp_sel - 1, return_inverse=True)  # [U], [M, g]
+            fin = batch.feats[:, :, m].reshape(B * S, -1)[rows].float().to(dev)  # [U, H]
+            full = fin @ self.W_full.T  # [U, V]: the target's full-vocabulary logits (overlapping blocks share rows)
+            t_arg = full.argmax(-1)[inv.to(dev)]  # [M, g]
+            p_v = torch.softmax(full, -1)[:, net.vocab][inv.to(dev)]  # [M, g, Vd]
             del full
         logits = h @ self.W.T
         w1 = net.markov(prev_tok.to(dev))
