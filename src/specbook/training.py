@@ -369,7 +369,8 @@ def warm_start(obj: Objective, path: str | Path, target=None) -> dict:
     state, card = load_checkpoint(path, target=target, kind=obj.kind)
     mine = obj.state()
     def shape(config: dict | None) -> str:  # the config less the keys a continued run may change
-        return json.dumps({k: v for k, v in (config or {}).items() if k not in obj.training_only}, sort_keys=True)
+        return json.dumps({k: v for k, v in (config or {}).items() if k not in getattr(obj, "training_only", ())},
+                          sort_keys=True)
 
     same_config = shape(card.get("config")) == shape(obj.card_config())
     if not same_config:
