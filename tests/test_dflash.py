@@ -363,7 +363,7 @@ def test_teacher_of_overlapping_blocks_is_each_positions_own(deep):
     assert len({(i, a + k) for i, a in rows for k in range(4)}) < 4 * len(rows)  # blocks share rows: dedup exercised
     for r, (i, a) in enumerate(rows):
         for k in range(1, 5):
-            full = b.feats[i, a + k - 1, 3].float() @ obj.W_full.T
+            full = b.feats[i, a + k - 1, len(net.taps)].float() @ obj.W_full.T  # the final state, after the taps
             torch.testing.assert_close(f["p_v"][r, k - 1], torch.softmax(full, -1)[net.vocab], atol=1e-6, rtol=1e-5)
             want = net.t2d[full.argmax()]
             assert int(f["t_arg_in"][r, k - 1]) == (-1 if want == len(net.vocab) else int(want))

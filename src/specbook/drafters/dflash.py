@@ -361,10 +361,11 @@ class DFlashObjective:
         b_idx = torch.arange(B)[:, None].expand(B, A).reshape(-1)[keep]
         with torch.no_grad():  # the teacher p_k reads the final state at a + k - 1: once per window row, not per block
             rows, inv = torch.unique(b_idx[:, None] * S + tp_sel - 1, return_inverse=True)  # [U], [M, g]
+            inv = inv.to(dev)
             fin = batch.feats[:, :, m].reshape(B * S, -1)[rows].float().to(dev)  # [U, H]
             full = fin @ self.W_full.T  # [U, V]: the target's full-vocabulary logits (overlapping blocks share rows)
-            t_arg = full.argmax(-1)[inv.to(dev)]  # [M, g]
-            p_v = torch.softmax(full, -1)[:, net.vocab][inv.to(dev)]  # [M, g, Vd]
+            t_arg = full.argmax(-1)[inv]  # [M, g]
+            p_v = torch.softmax(full, -1)[:, net.vocab][inv]  # [M, g, Vd]
             del full
         logits = h @ self.W.T
         w1 = net.markov(prev_tok.to(dev))
