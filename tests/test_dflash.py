@@ -351,12 +351,19 @@ def test_warm_start_refuses_a_markov_head_of_another_vocabulary(deep, tmp_path):
     assert warm_start(kept, tmp_path / "d", deep)["vocab_changed"] is False
 
 
-def test_teacher_of_overlapping_blocks_is_each_positions_own(deep):
+@pytest.mark.parametrize("cached", [False, True])
+def test_teacher_of_overlapping_blocks_is_each_positions_own(deep, cached):
     """Blocks overlap when a window trains many anchors; the teacher is computed once per window row, and every
-    block position still reads p_k = softmax(lm_head(final state at a + k - 1)) restricted to the draft vocabulary."""
+    block position still reads p_k = softmax(lm_head(final state at a + k - 1)) restricted to the draft vocabulary.
+    ``cached``: the batch carries the target's per-token (lse, argmax) (features.load_or_build_teacher), which the
+    objective reads instead of the full-vocabulary logits."""
+    from specbook.features import teacher_stats
+
     net = _net(deep)
     obj = DFlashObjective(deep, net.vocab, gamma=4, layers=2, anchors=12)
     b = _batch(deep, n=2, S=24)
+    if cached:
+        b = Batch(b.tokens, b.feats, b.mask, *teacher_stats(b.feats[:, :, len(net.taps)], obj.W_full))
     anchors, valid = obj._anchors(b, heldout=True)  # evenly spaced: the same blocks as _forward's
     f = obj._forward(b, heldout=True)
     rows = [(i, int(a)) for i in range(2) for a, v in zip(anchors[i], valid[i]) if v]
@@ -367,6 +374,9 @@ def test_teacher_of_overlapping_blocks_is_each_positions_own(deep):
             torch.testing.assert_close(f["p_v"][r, k - 1], torch.softmax(full, -1)[net.vocab], atol=1e-6, rtol=1e-5)
             want = net.t2d[full.argmax()]
             assert int(f["t_arg_in"][r, k - 1]) == (-1 if want == len(net.vocab) else int(want))
+    if cached:  # the cached argmax is what the objective reads: shifting it moves t_arg_in
+        shifted = obj._forward(Batch(b.tokens, b.feats, b.mask, b.lse, (b.t_arg + 1) % 48), heldout=True)
+        assert not torch.equal(shifted["t_arg_in"], f["t_arg_in"])
 
 
 def test_warm_start_may_change_the_anchors_per_window_but_not_the_block(deep, tmp_path):

@@ -134,6 +134,32 @@ def test_objective_learns_and_masks_out_of_vocab_targets(deep, fit):
     assert set(ev) >= {"acc_0", "acc_1", "acc_2", "top1", "mean_acc", "conf_r0", "soft_r0"}
 
 
+def test_a_cached_teacher_gives_the_same_targets_loss_and_metrics(deep):
+    """A batch carrying the target's per-token (lse, argmax) (features.load_or_build_teacher) trains and evaluates
+    as one whose objective computes them from the final state; the teacher is softmax over the full vocabulary read
+    on the draft tokens, and renormalized there."""
+    from specbook.features import teacher_stats
+
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 48, (3, 16), generator=g)
+    with torch.no_grad():
+        hs = deep(tokens, output_hidden_states=True).hidden_states
+    feats = torch.stack([hs[t] for t in default_taps(8)] + [hs[-1]], dim=2)
+    mask = torch.ones(3, 16, dtype=torch.bool)
+    obj = Eagle3Objective(deep, torch.arange(0, 48, 2), ttt_steps=3)
+    lse, arg = teacher_stats(feats[:, :, 3], obj.W_full)
+    plain, cached = Batch(tokens, feats, mask), Batch(tokens, feats, mask, lse, arg)
+    full = feats[:, :, 3].float() @ obj.W_full.T
+    p_d, ok, p_v = obj._targets(cached)
+    torch.testing.assert_close(p_v, torch.softmax(full, -1)[..., 0::2], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(p_d, torch.softmax(full[..., 0::2], -1), atol=1e-6, rtol=1e-5)
+    assert torch.equal(ok, obj._targets(plain)[1])
+    torch.testing.assert_close(obj.loss(cached)[0], obj.loss(plain)[0])
+    assert obj.evaluate(cached, steps=3) == pytest.approx(obj.evaluate(plain, steps=3), abs=1e-6)
+    shifted = Batch(tokens, feats, mask, lse, (arg + 1) % 48)  # the cached argmax is what it reads: odd ids fall outside
+    assert not torch.equal(obj._targets(shifted)[1], ok)
+
+
 def test_bad_input(deep, tmp_path):
     with pytest.raises(ValueError, match="3 layers of the target"):
         Eagle3Head(deep.config, torch.arange(4), taps=(2, 4, 9))

@@ -8,7 +8,7 @@ import torch
 
 from specbook.corpus import CorpusError, load_corpus, tokenize_prompts, write_corpus
 from specbook.drafters.draft_model import DraftModelObjective, load_draft_model
-from specbook.features import StaleFeatures, load_or_build, open_store
+from specbook.features import StaleFeatures, load_or_build, load_or_build_teacher, open_store
 from specbook.models import fingerprint, tiny_llama
 from specbook.training import CheckpointError, TrainConfig, TrainData, load_checkpoint, save_checkpoint, train
 
@@ -118,6 +118,59 @@ def test_narrower_request_reads_a_wider_store(tiny_corpus, tiny_target, tmp_path
     other = load_or_build(tiny_target, corpus, (0,), root=tmp_path / "feats", progress=False)
     assert other.path != wide.path and other.layers == (0,)
     assert len(list((tmp_path / "feats").glob("*/meta.json"))) == 2
+
+
+def test_teacher_store_holds_the_final_states_statistics_and_is_built_once(tiny_corpus, tiny_target, tmp_path):
+    """features.load_or_build_teacher: per corpus token the log-sum-exp and argmax of final @ W.T, computed in
+    several passes; shared by every store of the target and corpus; computed again for another head or after a
+    partial write; a store without the final state is refused."""
+    corpus, _ = tiny_corpus
+    root = tmp_path / "feats"
+    store = load_or_build(tiny_target, corpus, (1, -1), root=root, progress=False)
+    W = tiny_target.get_output_embeddings().weight.detach().float()
+    T = int(store.meta["shape"][0])
+    t = load_or_build_teacher(store, W, progress=False, rows_per_pass=100)  # several passes
+    z = store.rows(0, T)[:, 1].float() @ W.T
+    lse, arg = t.rows(0, T)
+    torch.testing.assert_close(lse, torch.logsumexp(z, -1))
+    assert torch.equal(arg, z.argmax(-1)) and arg.dtype == torch.long
+    (made,) = root.glob("teacher-*/lse.bin")
+    stamp = made.stat().st_mtime_ns
+    other_store = load_or_build(tiny_target, corpus, (0, -1), root=root, progress=False)
+    assert other_store.path != store.path
+    again = load_or_build_teacher(other_store, W, progress=False)  # another store of the corpus: the same files
+    assert made.stat().st_mtime_ns == stamp and torch.equal(again.rows(0, T)[1], arg)
+    other = load_or_build_teacher(store, 2 * W, progress=False)  # another head: its own statistics
+    torch.testing.assert_close(other.rows(0, T)[0], torch.logsumexp(2 * z, -1))
+    assert len(list(root.glob("teacher-*/lse.bin"))) == 2
+    with open(made.with_name("arg.bin"), "r+b") as fh:  # a partial write
+        fh.truncate(8)
+    assert torch.equal(load_or_build_teacher(store, W, progress=False).rows(0, T)[1], arg)
+    no_final = load_or_build(tiny_target, corpus, (1,), root=tmp_path / "feats1", progress=False)
+    with pytest.raises(StaleFeatures, match="final state"):
+        load_or_build_teacher(no_final, W, progress=False)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_batches_carry_the_teacher_at_their_own_positions(tiny_corpus, tiny_target, tmp_path, pack):
+    """With a teacher store every window's (lse, argmax) are its own tokens', in plain and packed windows; the
+    objectives that read them get them from train.teacher_for, the rest get None."""
+    from specbook.drafters.eagle import EagleObjective
+    from specbook.drafters.eagle3 import Eagle3Objective
+    from specbook.train import teacher_for
+
+    corpus, _ = tiny_corpus
+    store = load_or_build(tiny_target, corpus, (-1,), root=tmp_path / "feats", progress=False)
+    assert teacher_for(EagleObjective(tiny_target), store, tiny_target) is None
+    obj = Eagle3Objective(tiny_target, torch.arange(48), taps=(1, 1, 1), ttt_steps=1)
+    teacher = teacher_for(obj, store, tiny_target, progress=False)
+    data = TrainData(corpus, store, seq_len=40, seed=0, pack=pack, teacher=teacher)
+    b = data.batch(4, torch.Generator().manual_seed(5))
+    real = b.feats.float().abs().sum((-1, -2)) > 0  # padding rows are zeros
+    z = b.feats[:, :, 0].float() @ tiny_target.get_output_embeddings().weight.detach().float().T
+    torch.testing.assert_close(b.lse[real], torch.logsumexp(z, -1)[real])
+    assert torch.equal(b.t_arg[real], z.argmax(-1)[real])
+    assert TrainData(corpus, store, seq_len=40, seed=0, pack=pack).batch(4, torch.Generator()).lse is None
 
 
 def _setup(tiny_target, corpus, tmp_path):

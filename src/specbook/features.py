@@ -12,6 +12,11 @@ Stored under ``$SPECBOOK_CACHE/features/<key>/`` (not committed): ``feats.bin`` 
 [T, n_layers, H], row t = token t of corpus.tokens) + ``meta.json``. The key hashes the target
 fingerprint, the corpus sha and the layers; ``load_or_build`` rebuilds a stale or partial cache
 and refuses a store whose metadata does not match (never silently the wrong features).
+
+The target's next-token statistics per corpus token can be kept too (``load_or_build_teacher``:
+``teacher-<key>/lse.bin`` fp32 + ``arg.bin`` int32 + ``teacher.json``, 8 bytes a token, read from any store that
+holds the final state): the log-sum-exp and the argmax of the full-vocabulary logits. A drafter whose loss reads the target only
+through its draft-vocabulary rows (EAGLE-3, DFlash / DSpark) then computes those rows each step instead of all V.
 """
 
 from __future__ import annotations
@@ -158,6 +163,80 @@ def build(target, corpus: Corpus, layers: tuple[int, ...], out: Path, batch_toke
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return open_store(out)
+
+
+def teacher_stats(final: torch.Tensor, W: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """final [..., H] (the target's final states), W [V, H] (its LM head) -> (log-sum-exp [...] fp32, argmax [...]
+    long) of the full-vocabulary logits final @ W.T in fp32, ``chunk`` rows at a time (never [N, V] at once)."""
+    x = final.reshape(-1, final.shape[-1])
+    Wf = W.float()
+    lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    arg = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    for i in range(0, x.shape[0], chunk):
+        z = x[i:i + chunk].float() @ Wf.T  # [n, V]
+        lse[i:i + chunk], arg[i:i + chunk] = torch.logsumexp(z, -1), z.argmax(-1)
+    return lse.view(final.shape[:-1]), arg.view(final.shape[:-1])
+
+
+@dataclass
+class TeacherStore:
+    """Per corpus token: the target's log-sum-exp and argmax over its full vocabulary (see the module docstring)."""
+
+    lse: np.ndarray  # float32 [T]
+    arg: np.ndarray  # int32 [T]
+
+    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [start, stop) -> (lse [n] fp32, argmax [n] long)."""
+        return torch.from_numpy(np.array(self.lse[start:stop])), torch.from_numpy(self.arg[start:stop].astype(np.int64))
+
+
+def load_or_build_teacher(store: FeatureStore, W: torch.Tensor, progress: bool = True,
+                          rows_per_pass: int = 65536) -> TeacherStore:
+    """The teacher statistics of ``store``'s tokens under the LM head ``W`` [V, H] (fp32). They depend on the target,
+    the corpus and the head only, so every store of one target and corpus shares them: ``teacher-<key>/`` beside
+    the stores. Read when they name the same target, corpus, rows and head; else computed from the stored final
+    states (one pass of the head over the corpus) and written atomically. The store must hold the final state."""
+    from filelock import FileLock
+
+    if -1 not in store.meta["layers"]:
+        raise StaleFeatures(f"{store.path} holds layers {store.meta['layers']}, not the final state (-1) the teacher "
+                            "reads; build the features with it (train.METHODS' eagle3 / dflash / dspark layers do)")
+    T = int(store.meta["shape"][0])
+    job = {"target_fingerprint": store.meta["target_fingerprint"], "corpus_sha": store.meta["corpus_sha"], "rows": T,
+           "vocab": int(W.shape[0]), "head_sha": _tensor_sha(W)}
+    where = store.path.parent / f"teacher-{hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]}"
+    where.mkdir(parents=True, exist_ok=True)
+    lse_p, arg_p, meta_p = (where / f for f in ("lse.bin", "arg.bin", "teacher.json"))
+    with FileLock(str(where) + ".lock"):
+        try:
+            if json.loads(meta_p.read_text()) == job and lse_p.stat().st_size == arg_p.stat().st_size == 4 * T:
+                return TeacherStore(np.memmap(lse_p, np.float32, "r", shape=(T,)),
+                                    np.memmap(arg_p, np.int32, "r", shape=(T,)))
+        except (OSError, ValueError):
+            pass  # missing or partial: computed below
+        lse, arg = _teacher_pass(store.select((-1,)), W, T, rows_per_pass, progress)
+        meta_p.unlink(missing_ok=True)  # no description may name the files while they are replaced
+        for path, arr in ((lse_p, lse), (arg_p, arg)):
+            part = path.with_name(path.name + ".part")
+            arr.tofile(part)
+            os.replace(part, path)
+        _write_json(meta_p, job)  # last: the files it names are complete
+    return TeacherStore(lse, arg)
+
+
+@torch.no_grad()
+def _teacher_pass(final: FeatureStore, W: torch.Tensor, T: int, rows_per_pass: int, progress: bool):
+    from tqdm.auto import tqdm
+
+    lse, arg = np.empty(T, np.float32), np.empty(T, np.int32)
+    for i in tqdm(range(0, T, rows_per_pass), desc="teacher", disable=not progress):
+        l_, a_ = teacher_stats(final.rows(i, min(T, i + rows_per_pass))[:, 0].to(W.device), W)
+        lse[i:i + len(l_)], arg[i:i + len(l_)] = l_.cpu().numpy(), a_.cpu().numpy()
+    return lse, arg
+
+
+def _tensor_sha(W: torch.Tensor) -> str:
+    return hashlib.sha256(W.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 def _write_json(path: Path, obj: dict) -> None:

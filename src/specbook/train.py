@@ -167,7 +167,7 @@ def _fit(method: str, obj, args, corpus, store, target):
                       eval_every=args.eval_every, ckpt_every=args.eval_every, seed=args.seed, pack=args.pack,
                       train_fraction=args.train_fraction, eval_batches=args.eval_batches)
     data = TrainData(corpus, store, seq_len=cfg.seq_len, seed=cfg.seed, pack=cfg.pack,
-                     train_fraction=cfg.train_fraction)
+                     train_fraction=cfg.train_fraction, teacher=teacher_for(obj, store, target))
     if args.interpolate:  # no training: a point on the line from START to its continuation, evaluated held-out
         mix = interpolate(obj, args.interpolate, args.init, args.alpha, target)
         final = {"step": 0, **evaluate(obj, data, cfg, target.device)}  # steps: none of its own; its ends' in the card
@@ -177,6 +177,16 @@ def _fit(method: str, obj, args, corpus, store, target):
     cfg_key = hashlib.sha256(json.dumps([asdict(cfg), obj.card_config(), init], sort_keys=True).encode()).hexdigest()[:8]
     run_dir = cache_dir() / "runs" / f"{method}-{fingerprint(target)}-{corpus.sha}-{cfg_key}"
     return cfg, data, train(obj, data, cfg, run_dir=run_dir, resume=not args.fresh), ({"init": init} if init else {})
+
+
+def teacher_for(obj, store, target, progress: bool = True):
+    """The per-token (lse, argmax) of the target's full vocabulary beside ``store``, for an objective that reads
+    them (``reads_teacher``: EAGLE-3, DFlash, DSpark); None for the rest. Built once per store and LM head."""
+    from .features import load_or_build_teacher
+
+    if not getattr(obj, "reads_teacher", False):
+        return None
+    return load_or_build_teacher(store, target.get_output_embeddings().weight.detach().float(), progress=progress)
 
 
 def command(argv: list[str]) -> str:
@@ -255,7 +265,8 @@ def short_run(method: str, target, corpus, records: int = 32, steps: int = 20, w
                           root=workdir / "features", progress=progress)
     obj = METHODS[method].build(target, **objective_kw)
     cfg = TrainConfig(steps=steps, batch=4, seq_len=128, warmup=2, eval_every=steps, ckpt_every=steps, eval_batches=1)
-    res = train(obj, TrainData(small, store, seq_len=cfg.seq_len), cfg, progress=progress)
+    data = TrainData(small, store, seq_len=cfg.seq_len, teacher=teacher_for(obj, store, target, progress))
+    res = train(obj, data, cfg, progress=progress)
     obj.workdir = workdir
     return obj, res
 

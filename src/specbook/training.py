@@ -35,6 +35,10 @@ class Batch:
     tokens: torch.Tensor  # [B, S] long
     feats: torch.Tensor  # [B, S, n_layers, H] (target features at the same positions)
     mask: torch.Tensor  # [B, S] bool: response positions whose next token is in the window (loss positions)
+    # the target's full-vocabulary log-sum-exp [B, S] fp32 and argmax [B, S] long at the same positions, when the
+    # data carries a teacher store (features.load_or_build_teacher); None: an objective computes them from feats
+    lse: torch.Tensor | None = None
+    t_arg: torch.Tensor | None = None
 
 
 def prompt_split(corpus, heldout_fraction: float = 0.03, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -59,8 +63,9 @@ class TrainData:
     the drafter trained on. For a one-pass corpus this is the same split as one by record."""
 
     def __init__(self, corpus, store, seq_len: int = 256, heldout_fraction: float = 0.03, seed: int = 0,
-                 pack: bool = False, train_fraction: float = 1.0):
+                 pack: bool = False, train_fraction: float = 1.0, teacher=None):
         self.corpus, self.store, self.seq_len, self.pack = corpus, store, seq_len, pack
+        self.teacher = teacher  # features.TeacherStore of the same corpus, or None
         held, train = prompt_split(corpus, heldout_fraction, seed)
         self.heldout = [i for grp in held for i in grp]
         # train_fraction < 1: the first part of the train prompts in this fixed random order, so fractions are
@@ -75,7 +80,7 @@ class TrainData:
         """Tokens (prompt + response) of the train records: what a data-scaling curve puts on its x axis."""
         return int(self.corpus.index[self.train, 1:3].sum())  # index rows: (offset, prompt_len, response_len)
 
-    def _window(self, rec: int, g: torch.Generator) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
+    def _window(self, rec: int, g: torch.Generator) -> tuple:
         _, pl, rl = (int(x) for x in self.corpus.index[rec])
         n = pl + rl
         S = self.seq_len
@@ -84,8 +89,9 @@ class TrainData:
         start = lo if hi <= lo else lo + int(torch.randint(hi - lo + 1, (1,), generator=g))
         return self._span(rec, start, min(n, start + S))
 
-    def _span(self, rec: int, start: int, stop: int) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
-        """Tokens [start, stop) of record ``rec``, their features, and the loss mask."""
+    def _span(self, rec: int, start: int, stop: int) -> tuple:
+        """Tokens [start, stop) of record ``rec``, their features, the loss mask, and with a teacher store the
+        target's (lse, argmax) there (else None, None)."""
         off, pl, rl = (int(x) for x in self.corpus.index[rec])
         n = pl + rl
         toks = self.corpus.tokens[off + start:off + stop].astype(np.int64)
@@ -93,7 +99,8 @@ class TrainData:
         pos = np.arange(start, stop)
         mask = (pos >= pl - 1) & (pos < n - 1)  # predicting a response token from inside the window
         mask[-1] = False  # its next token is outside the window
-        return toks, feats, mask
+        lse, arg = self.teacher.rows(off + start, off + stop) if self.teacher is not None else (None, None)
+        return toks, feats, mask, lse, arg
 
     def batch(self, size: int, g: torch.Generator, heldout: bool = False) -> Batch:
         pool = self.heldout if heldout else self.train
@@ -106,13 +113,16 @@ class TrainData:
         toks = torch.zeros(size, S, dtype=torch.long)
         feats = torch.zeros(size, S, nl, H, dtype=torch.bfloat16)
         mask = torch.zeros(size, S, dtype=torch.bool)
-        for i, (t, f, m) in enumerate(ws):
+        lse, t_arg = (torch.zeros(size, S), torch.zeros(size, S, dtype=torch.long)) if self.teacher is not None else (None, None)
+        for i, (t, f, m, l_, a_) in enumerate(ws):
             toks[i, :len(t)] = torch.from_numpy(t)
             feats[i, :len(t)] = f
             mask[i, :len(t)] = torch.from_numpy(m)
-        return Batch(toks, feats, mask)
+            if self.teacher is not None:
+                lse[i, :len(t)], t_arg[i, :len(t)] = l_, a_
+        return Batch(toks, feats, mask, lse, t_arg)
 
-    def _packed(self, pool: list[int], g: torch.Generator) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
+    def _packed(self, pool: list[int], g: torch.Generator) -> tuple:
         """One window of exactly seq_len tokens: whole records drawn at random from ``pool``, one after another
         (the last one cut), so the head trains on positions up to seq_len however short the records are.
 
@@ -125,8 +135,8 @@ class TrainData:
             length = int(self.corpus.index[rec, 1] + self.corpus.index[rec, 2])
             parts.append(self._span(rec, 0, min(length, self.seq_len - n)))  # a record's last position: no loss
             n += len(parts[-1][0])
-        return (np.concatenate([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
-                np.concatenate([p[2] for p in parts]))
+        cat = lambda k: torch.cat([p[k] for p in parts]) if parts[0][k] is not None else None  # noqa: E731
+        return (np.concatenate([p[0] for p in parts]), cat(1), np.concatenate([p[2] for p in parts]), cat(3), cat(4))
 
 
 # --------------------------------------------------------------------------- the loop
@@ -176,6 +186,9 @@ class Objective:
     # card_config keys that shape only the training (e.g. DFlash's anchors per window), not the weights: a warm
     # start may change them
     training_only: tuple[str, ...] = ()
+    # True: its batches should carry the target's per-token lse / argmax (Batch.lse, Batch.t_arg; train.teacher_for
+    # builds them); it must still work without them (batches built by hand)
+    reads_teacher: bool = False
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, dict]:  # pragma: no cover - protocol
         raise NotImplementedError
@@ -211,7 +224,8 @@ def evaluate(obj: Objective, data: TrainData, cfg: TrainConfig, device) -> dict:
 
 
 def _to(b: Batch, device) -> Batch:
-    return Batch(b.tokens.to(device), b.feats.to(device), b.mask.to(device))
+    opt = lambda x: None if x is None else x.to(device)  # noqa: E731
+    return Batch(b.tokens.to(device), b.feats.to(device), b.mask.to(device), opt(b.lse), opt(b.t_arg))
 
 
 def train(obj: Objective, data: TrainData, cfg: TrainConfig, run_dir: Path | None = None, resume: bool = True,

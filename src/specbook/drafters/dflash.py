@@ -62,6 +62,7 @@ from torch import nn
 from ..cache import GrowingKV, right_padded
 from ..calibration import auroc, brier, ece
 from ..decoding import Drafter, SpecState, shared_sampling
+from ..features import teacher_stats
 from ..sampling import probs_from, sample
 from ..verify import DraftTree
 from . import RMSNorm32, head_rows
@@ -281,6 +282,7 @@ class DFlashObjective:
     Batch feats: the taps then the final hidden state (the teacher: p_k = softmax(lm_head(final)))."""
 
     kind = "dflash"
+    reads_teacher = True  # train.run hands it features.load_or_build_teacher's per-token (lse, argmax)
     training_only = ("anchors_per_window",)  # how many blocks a step trains, not the weights' shape
     markov_rank, use_confidence, loss_weights = 0, False, {"ce": 1.0}
 
@@ -363,10 +365,12 @@ class DFlashObjective:
             rows, inv = torch.unique(b_idx[:, None] * S + tp_sel - 1, return_inverse=True)  # [U], [M, g]
             inv = inv.to(dev)
             fin = batch.feats[:, :, m].reshape(B * S, -1)[rows].float().to(dev)  # [U, H]
-            full = fin @ self.W_full.T  # [U, V]: the target's full-vocabulary logits (overlapping blocks share rows)
-            t_arg = full.argmax(-1)[inv]  # [M, g]
-            p_v = torch.softmax(full, -1)[:, net.vocab][inv]  # [M, g, Vd]
-            del full
+            if batch.lse is not None:  # the target's full-vocabulary log-sum-exp and argmax, cached per token
+                lse, t_arg = batch.lse.reshape(-1)[rows].to(dev), batch.t_arg.reshape(-1)[rows].to(dev)
+            else:
+                lse, t_arg = teacher_stats(fin, self.W_full)
+            t_arg = t_arg[inv]  # [M, g]
+            p_v = torch.exp(fin @ self.W.T - lse[:, None])[inv]  # [M, g, Vd]: p_k (all V) read on the draft tokens
         logits = h @ self.W.T
         w1 = net.markov(prev_tok.to(dev))
         if w1 is not None:

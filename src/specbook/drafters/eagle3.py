@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..features import teacher_stats
 from . import RMSNorm32
 from .eagle.drafter import Eagle2Drafter
 from .eagle.head import _head_config
@@ -208,6 +209,7 @@ class Eagle3Objective:
     Batch feats: the three taps then the final hidden state (train.METHODS["eagle3"].layers)."""
 
     kind = "eagle3"
+    reads_teacher = True  # train.run hands it features.load_or_build_teacher's per-token (lse, argmax)
 
     def __init__(self, target, vocab: torch.Tensor, taps: tuple[int, ...] | None = None, ttt_steps: int = 7,
                  decay: float = 0.8):
@@ -219,6 +221,7 @@ class Eagle3Objective:
             self.head.lm_head.weight.copy_(W[self.head.vocab])
         self.module = self.head
         self.W_full, self.E, self.config = W, target.get_input_embeddings(), target.config
+        self.W_d = W[self.head.vocab]  # [Vd, H]: the target's rows of the draft vocabulary (the teacher's logits)
         self.steps, self.weights = ttt_steps, [decay ** i for i in range(ttt_steps)]
 
     def _targets(self, batch):
@@ -226,10 +229,12 @@ class Eagle3Objective:
         renormalized (the teacher), its argmax-in-vocabulary flag, and its unrenormalized mass on each draft
         token (what a one-hot pick is accepted with at T = 1). -> p_d, p_v [B, S, Vd], ok [B, S]."""
         with torch.no_grad():
-            full = batch.feats[:, :, 3, :].float() @ self.W_full.T  # [B, S, V]
-            ok = self.head.t2d[full.argmax(-1)]
-            p_d = torch.softmax(full[..., self.head.vocab], -1)
-            p_v = torch.softmax(full, -1)[..., self.head.vocab]
+            final = batch.feats[:, :, 3, :].float()
+            lse, t_arg = (batch.lse, batch.t_arg) if batch.lse is not None else teacher_stats(final, self.W_full)
+            z = final @ self.W_d.T  # [B, S, Vd]: the target's logits on the draft vocabulary
+            ok = self.head.t2d[t_arg]
+            p_d = torch.softmax(z, -1)
+            p_v = torch.exp(z - lse[..., None])  # softmax over the full vocabulary, read on the draft tokens
         return p_d, ok, p_v
 
     def _steps(self, batch, steps: int):
