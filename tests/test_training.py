@@ -171,6 +171,9 @@ def test_batches_carry_the_teacher_at_their_own_positions(tiny_corpus, tiny_targ
     torch.testing.assert_close(b.lse[real], torch.logsumexp(z, -1)[real])
     assert torch.equal(b.t_arg[real], z.argmax(-1)[real])
     assert TrainData(corpus, store, seq_len=40, seed=0, pack=pack).batch(4, torch.Generator()).lse is None
+    teacher.corpus_sha = "0" * 16  # another corpus's statistics would be misaligned: refused
+    with pytest.raises(ValueError, match="teacher statistics are for corpus"):
+        TrainData(corpus, store, seq_len=40, teacher=teacher)
 
 
 def _setup(tiny_target, corpus, tmp_path):

@@ -184,6 +184,7 @@ class TeacherStore:
 
     lse: np.ndarray  # float32 [T]
     arg: np.ndarray  # int32 [T]
+    corpus_sha: str = ""  # the corpus whose tokens the rows are
 
     def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [start, stop) -> (lse [n] fp32, argmax [n] long)."""
@@ -211,7 +212,7 @@ def load_or_build_teacher(store: FeatureStore, W: torch.Tensor, progress: bool =
         try:
             if json.loads(meta_p.read_text()) == job and lse_p.stat().st_size == arg_p.stat().st_size == 4 * T:
                 return TeacherStore(np.memmap(lse_p, np.float32, "r", shape=(T,)),
-                                    np.memmap(arg_p, np.int32, "r", shape=(T,)))
+                                    np.memmap(arg_p, np.int32, "r", shape=(T,)), job["corpus_sha"])
         except (OSError, ValueError):
             pass  # missing or partial: computed below
         lse, arg = _teacher_pass(store.select((-1,)), W, T, rows_per_pass, progress)
@@ -221,7 +222,7 @@ def load_or_build_teacher(store: FeatureStore, W: torch.Tensor, progress: bool =
             arr.tofile(part)
             os.replace(part, path)
         _write_json(meta_p, job)  # last: the files it names are complete
-    return TeacherStore(lse, arg)
+    return TeacherStore(lse, arg, job["corpus_sha"])
 
 
 @torch.no_grad()

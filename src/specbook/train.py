@@ -181,7 +181,7 @@ def _fit(method: str, obj, args, corpus, store, target):
 
 def teacher_for(obj, store, target, progress: bool = True):
     """The per-token (lse, argmax) of the target's full vocabulary beside ``store``, for an objective that reads
-    them (``reads_teacher``: EAGLE-3, DFlash, DSpark); None for the rest. Built once per store and LM head."""
+    them (``reads_teacher``: EAGLE-3, DFlash, DSpark); None for the rest. Built once per corpus and LM head."""
     from .features import load_or_build_teacher
 
     if not getattr(obj, "reads_teacher", False):

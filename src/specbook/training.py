@@ -65,6 +65,9 @@ class TrainData:
     def __init__(self, corpus, store, seq_len: int = 256, heldout_fraction: float = 0.03, seed: int = 0,
                  pack: bool = False, train_fraction: float = 1.0, teacher=None):
         self.corpus, self.store, self.seq_len, self.pack = corpus, store, seq_len, pack
+        if teacher is not None and teacher.corpus_sha != corpus.sha:
+            raise ValueError(f"the teacher statistics are for corpus {teacher.corpus_sha}, not {corpus.sha}; build them "
+                             "from this corpus's feature store (features.load_or_build_teacher)")
         self.teacher = teacher  # features.TeacherStore of the same corpus, or None
         held, train = prompt_split(corpus, heldout_fraction, seed)
         self.heldout = [i for grp in held for i in grp]
