@@ -184,7 +184,7 @@ class TeacherStore:
 
     lse: np.ndarray  # float32 [T]
     arg: np.ndarray  # int32 [T]
-    corpus_sha: str = ""  # the corpus whose tokens the rows are
+    corpus_sha: str  # the corpus whose tokens the rows are (TrainData refuses another corpus's)
 
     def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens [start, stop) -> (lse [n] fp32, argmax [n] long)."""

@@ -282,7 +282,7 @@ class DFlashObjective:
     Batch feats: the taps then the final hidden state (the teacher: p_k = softmax(lm_head(final)))."""
 
     kind = "dflash"
-    reads_teacher = True  # train.run hands it features.load_or_build_teacher's per-token (lse, argmax)
+    reads_teacher = True  # train.teacher_for hands its data features.load_or_build_teacher's per-token (lse, argmax)
     training_only = ("anchors_per_window",)  # how many blocks a step trains, not the weights' shape
     markov_rank, use_confidence, loss_weights = 0, False, {"ce": 1.0}
 

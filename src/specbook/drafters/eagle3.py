@@ -209,7 +209,7 @@ class Eagle3Objective:
     Batch feats: the three taps then the final hidden state (train.METHODS["eagle3"].layers)."""
 
     kind = "eagle3"
-    reads_teacher = True  # train.run hands it features.load_or_build_teacher's per-token (lse, argmax)
+    reads_teacher = True  # train.teacher_for hands its data features.load_or_build_teacher's per-token (lse, argmax)
 
     def __init__(self, target, vocab: torch.Tensor, taps: tuple[int, ...] | None = None, ttt_steps: int = 7,
                  decay: float = 0.8):
@@ -217,11 +217,11 @@ class Eagle3Objective:
             raise ValueError(f"ttt_steps must be an int >= 1, got {ttt_steps!r}")
         W = target.get_output_embeddings().weight.detach().float()
         self.head = Eagle3Head(target.config, vocab, taps).to(W.device).float()
+        self.W_d = W[self.head.vocab]  # [Vd, H]: the target's rows of the draft vocabulary (the teacher's logits)
         with torch.no_grad():
-            self.head.lm_head.weight.copy_(W[self.head.vocab])
+            self.head.lm_head.weight.copy_(self.W_d)  # the draft's head starts from them
         self.module = self.head
         self.W_full, self.E, self.config = W, target.get_input_embeddings(), target.config
-        self.W_d = W[self.head.vocab]  # [Vd, H]: the target's rows of the draft vocabulary (the teacher's logits)
         self.steps, self.weights = ttt_steps, [decay ** i for i in range(ttt_steps)]
 
     def _targets(self, batch):
